@@ -1,0 +1,25 @@
+"""qtensor: quantized tensor subclasses for low-precision training in PyTorch."""
+
+from . import ops as _ops  # noqa: F401  (registers the format-independent dispatch ops)
+from .formats.float8 import Float8Quantizer, Float8Tensor
+from .formats.hybrid import HybridQuantizedTensor, HybridQuantizer
+from .formats.identity import IdentityQuantizer, IdentityTensor
+from .formats.mxfp8 import MXFP8Quantizer, MXFP8Tensor
+from .formats.nvfp4 import NVFP4Quantizer, NVFP4Tensor
+from .quantizer import Quantizer
+from .tensor import QuantizedTensor
+
+__all__ = [
+    "Float8Quantizer",
+    "Float8Tensor",
+    "HybridQuantizedTensor",
+    "HybridQuantizer",
+    "IdentityQuantizer",
+    "IdentityTensor",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
+    "Quantizer",
+    "QuantizedTensor",
+]

@@ -1,0 +1,133 @@
+"""Float8 with one fp32 scale per tensor: current or delayed scaling (DESIGN.md §2 "Float8")."""
+
+import torch
+
+from ..numerics import (
+    check_choice,
+    check_fp8_dtype,
+    finite_amax,
+    fp32,
+    fp8_max,
+    round_down_pow2,
+    scale_from_amax,
+    to_fp8_saturating,
+)
+from ..quantizer import Quantizer
+from ..storage import Storage
+from ..tensor import QuantizedTensor
+
+
+# ---- numerics ------------------------------------------------------------------------------------
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """`fp8(x * scale)`, saturating; NaN stays NaN, ±Inf becomes NaN (E4M3) or stays ±Inf (E5M2)."""
+    scaled = to_fp8_saturating(x * scale, fp8_dtype).float()
+    infinity_becomes = x if fp8_dtype == torch.float8_e5m2 else torch.full_like(x, float("nan"))
+    return torch.where(torch.isinf(x), infinity_becomes, scaled).to(fp8_dtype)
+
+
+def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    return data.float() * scale_inv
+
+
+class Float8Storage(Storage):
+    """Rowwise: `data` is `[rows, cols]`. Columnwise: `data` is the transpose `[cols, rows]` (the
+    layout an FP8 GEMM wants for the other reduction). Both share the 0-d fp32 `scale_inv`."""
+
+    format_name = "float8"
+    tensor_data_names = ("data", "scale_inv")
+
+    def dequantize(self) -> torch.Tensor:
+        values = dequantize_per_tensor(self.data, self.scale_inv)
+        return values if self.direction == "rowwise" else values.t()
+
+    def slice_rows(self, start: int, stop: int) -> "Float8Storage":
+        data = self.data[start:stop] if self.direction == "rowwise" else self.data[:, start:stop]
+        return Float8Storage(data=data, scale_inv=self.scale_inv, direction=self.direction, rows=stop - start, cols=self.cols)
+
+    def to_direction(self, direction: str) -> "Float8Storage":
+        if direction == self.direction:
+            return self
+        # Same codes and scale either way: the other direction is the physical transpose.
+        return Float8Storage(
+            data=self.data.t().contiguous(), scale_inv=self.scale_inv, direction=direction, rows=self.rows, cols=self.cols
+        )
+
+
+class Float8Tensor(QuantizedTensor):
+    """A tensor stored as FP8 codes with one fp32 scale."""
+
+
+class Float8Quantizer(Quantizer):
+    """Per-tensor FP8. `scaling="current"` takes the scale from this tensor's amax; `"delayed"` from
+    the amax history of earlier casts (then records this cast's amax)."""
+
+    format_name = "float8"
+    tensor_class = Float8Tensor
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        scaling: str = "current",
+        amax_epsilon: float = 0.0,
+        force_pow_2_scales: bool = False,
+        amax_history_len: int = 1024,
+        amax_compute_algo: str = "max",
+        margin: int = 0,
+    ):
+        check_fp8_dtype(fp8_dtype, "Float8Quantizer")
+        check_choice(scaling, ("current", "delayed"), "scaling", "Float8Quantizer")
+        check_choice(amax_compute_algo, ("max", "most_recent"), "amax_compute_algo", "Float8Quantizer")
+        if not isinstance(amax_history_len, int) or amax_history_len < 1:
+            raise ValueError(f"Float8Quantizer: amax_history_len must be a positive int, got {amax_history_len!r}.")
+        if amax_epsilon < 0:
+            raise ValueError(f"Float8Quantizer: amax_epsilon must be >= 0, got {amax_epsilon!r}.")
+        self.fp8_dtype = fp8_dtype
+        self.scaling = scaling
+        self.amax_epsilon = amax_epsilon
+        self.force_pow_2_scales = force_pow_2_scales
+        self.amax_history_len = amax_history_len
+        self.amax_compute_algo = amax_compute_algo
+        self.margin = margin
+        # Delayed scaling: amaxes of earlier casts, oldest first, at most amax_history_len of them.
+        self.amax_history = torch.zeros(0, dtype=torch.float32)
+
+    def compute_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 scale this quantizer would use for `x` now (DESIGN.md §2)."""
+        if self.scaling == "current":
+            amax = finite_amax(x)
+            margin = 0
+        else:
+            history = self.amax_history.to(x.device)
+            if history.numel() == 0:
+                amax = torch.zeros((), dtype=torch.float32, device=x.device)
+            else:
+                amax = history.max() if self.amax_compute_algo == "max" else history[-1]
+            margin = self.margin
+        amax = torch.maximum(amax, fp32(self.amax_epsilon, x.device))
+        scale = scale_from_amax(amax, fp8_max(self.fp8_dtype), margin)
+        return round_down_pow2(scale) if self.force_pow_2_scales else scale
+
+    def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
+        x = x.float()
+        scale = self.compute_scale(x)
+        data = quantize_per_tensor(x, scale, self.fp8_dtype)
+        scale_inv = fp32(1.0, x.device) / scale
+        if update_state and self.scaling == "delayed":
+            self.record_amax(finite_amax(x))
+        rows, cols = x.shape
+        rowwise_storage = Float8Storage(data=data, scale_inv=scale_inv, direction="rowwise", rows=rows, cols=cols)
+        return (
+            rowwise_storage if rowwise else None,
+            rowwise_storage.to_direction("columnwise") if columnwise else None,
+        )
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        """Append one cast's amax to the delayed-scaling history, dropping the oldest beyond its length."""
+        history = torch.cat([self.amax_history.to(amax.device), amax.reshape(1).float()])
+        self.amax_history = history[-self.amax_history_len :]
+
+    def state_to_dict(self) -> dict:
+        return {"amax_history": self.amax_history.tolist()} if self.scaling == "delayed" else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.amax_history = torch.tensor(state.get("amax_history", []), dtype=torch.float32)

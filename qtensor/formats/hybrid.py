@@ -1,0 +1,51 @@
+"""Hybrid: a rowwise copy in one format and a columnwise copy in another (DESIGN.md §2 "Hybrid")."""
+
+from ..numerics import check_choice
+from ..quantizer import Quantizer
+from ..tensor import QuantizedTensor
+
+
+class HybridQuantizedTensor(QuantizedTensor):
+    """Two storages of possibly different formats; `rowwise` and `columnwise` are the children's."""
+
+    def _rebuild_direction(self, direction: str):
+        raise ValueError(
+            f"HybridQuantizedTensor cannot rebuild its {direction} copy: it comes from the "
+            f"{direction} child quantizer ({getattr(self.quantizer, direction)!r}). Quantize the "
+            f"high-precision tensor again with {direction}=True."
+        )
+
+
+class HybridQuantizer(Quantizer):
+    """`rowwise` quantizes the rowwise copy, `columnwise` the columnwise copy, from the input
+    (`columnwise_source="original"`) or from the dequantized rowwise result (`"rowwise_dequantized"`)."""
+
+    format_name = "hybrid"
+    tensor_class = HybridQuantizedTensor
+
+    def __init__(self, rowwise: Quantizer, columnwise: Quantizer, columnwise_source: str = "original"):
+        for direction, child in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if not isinstance(child, Quantizer) or isinstance(child, HybridQuantizer):
+                raise ValueError(
+                    f"HybridQuantizer: {direction} must be a non-hybrid qtensor quantizer, got {child!r}."
+                )
+        if rowwise is columnwise:
+            raise ValueError(
+                "HybridQuantizer: the same quantizer instance was given for rowwise and columnwise; "
+                "each direction needs its own (delayed scaling keeps per-instance state). "
+                "Pass columnwise=rowwise.copy()."
+            )
+        check_choice(columnwise_source, ("original", "rowwise_dequantized"), "columnwise_source", "HybridQuantizer")
+        self.rowwise = rowwise
+        self.columnwise = columnwise
+        self.columnwise_source = columnwise_source
+
+    def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
+        from_rowwise = columnwise and self.columnwise_source == "rowwise_dequantized"
+        rowwise_storage = columnwise_storage = None
+        if rowwise or from_rowwise:
+            rowwise_storage, _ = self.rowwise._quantize_2d(x, True, False, update_state=update_state)
+        if columnwise:
+            source = rowwise_storage.dequantize().to(x.dtype) if from_rowwise else x
+            _, columnwise_storage = self.columnwise._quantize_2d(source, False, True, update_state=update_state)
+        return (rowwise_storage if rowwise else None), columnwise_storage

@@ -1,0 +1,53 @@
+"""Identity: keeps the high-precision values, one buffer serving both directions (DESIGN.md §2)."""
+
+import torch
+
+from ..quantizer import INPUT_DTYPES, Quantizer
+from ..storage import Storage
+from ..tensor import QuantizedTensor
+
+
+class IdentityStorage(Storage):
+    """`data` is the `[rows, cols]` tensor itself; `direction` is "both"."""
+
+    format_name = "identity"
+    tensor_data_names = ("data",)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float()
+
+    def slice_rows(self, start: int, stop: int) -> "IdentityStorage":
+        return IdentityStorage(data=self.data[start:stop], direction=self.direction, rows=stop - start, cols=self.cols)
+
+    def to_direction(self, direction: str) -> "IdentityStorage":
+        return self
+
+
+class IdentityTensor(QuantizedTensor):
+    """A high-precision tensor behind the QuantizedTensor interface (a role left unquantized)."""
+
+    def dequantize(self, dtype=None, direction=None) -> torch.Tensor:
+        # Skip the fp32 round trip of the base class: the stored values are already the answer.
+        self.storage_for(direction)
+        return self.rowwise_or_columnwise.data.reshape(self.shape).to(dtype or self.dtype)
+
+    @property
+    def rowwise_or_columnwise(self) -> IdentityStorage:
+        return self.rowwise if self.rowwise is not None else self.columnwise
+
+
+class IdentityQuantizer(Quantizer):
+    """Stores `x` unchanged, cast to `dtype` when one is given."""
+
+    format_name = "identity"
+    tensor_class = IdentityTensor
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        if dtype is not None and dtype not in INPUT_DTYPES:
+            raise ValueError(f"IdentityQuantizer: dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype}.")
+        self.dtype = dtype
+
+    def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
+        data = x.to(self.dtype or x.dtype, copy=True).contiguous()
+        storage = IdentityStorage(data=data, direction="both", rows=x.shape[0], cols=x.shape[1])
+        return (storage if rowwise else None), (storage if columnwise else None)

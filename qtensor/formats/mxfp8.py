@@ -1,0 +1,118 @@
+"""MXFP8: blocks of 32 elements share a power-of-two E8M0 scale (DESIGN.md §2 "MXFP8")."""
+
+import torch
+
+from ..numerics import (
+    block_amax,
+    ceil_div,
+    check_choice,
+    check_fp8_dtype,
+    exact_pow2,
+    expand_blocks,
+    fp32,
+    fp8_max,
+    to_fp8_saturating,
+)
+from ..quantizer import Quantizer
+from ..storage import Storage
+from ..tensor import QuantizedTensor
+
+BLOCK_SIZE = 32
+E8M0_NAN = 255
+# OCP MX v1.0: the largest power of two an element format holds, log2 (E4M3: 2**8, E5M2: 2**15).
+ELEMENT_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+
+
+# ---- numerics ------------------------------------------------------------------------------------
+def e8m0_codes(amax: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str) -> torch.Tensor:
+    """Biased E8M0 scale code (value 2**(code-127), 255 = NaN) for each block amax."""
+    if scale_rounding == "rceil":
+        # Round amax/fp8_max up to a power of two, so no element of the block saturates.
+        ratio = amax * fp32(1.0 / fp8_max(fp8_dtype), amax.device)
+        bits = ratio.view(torch.int32)
+        codes = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+        codes = torch.where(ratio <= fp32(2.0**-127, amax.device), 0, codes.clamp(max=254))
+        finite = torch.isfinite(ratio)
+    else:
+        # floor(log2(amax)): frexp gives amax = m * 2**e with m in [0.5, 1).
+        _, exponent = torch.frexp(amax)
+        codes = (exponent - 1 - ELEMENT_EMAX[fp8_dtype] + 127).clamp(0, 254)
+        codes = torch.where(amax == 0, 0, codes)
+        finite = torch.isfinite(amax)
+    return torch.where(finite, codes, E8M0_NAN).to(torch.uint8)
+
+
+def decode_scales(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of E8M0 codes: 2**(code-127), NaN for 255."""
+    codes = codes.int()
+    values = exact_pow2(codes.clamp(max=254) - 127)
+    return torch.where(codes == E8M0_NAN, float("nan"), values)
+
+
+def quantize_row_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str):
+    """Blocks of 32 along each row of fp32 `x` [R, C] → (fp8 data [R, C], E8M0 codes [R, ceil(C/32)])."""
+    codes = e8m0_codes(block_amax(x, BLOCK_SIZE), fp8_dtype, scale_rounding)
+    element_scale = exact_pow2(127 - codes.int().clamp(max=254))
+    data = to_fp8_saturating(x * expand_blocks(element_scale, BLOCK_SIZE, x.shape[1]), fp8_dtype)
+    return data, codes
+
+
+def dequantize_row_blocks(data: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    return data.float() * expand_blocks(decode_scales(codes), BLOCK_SIZE, data.shape[1])
+
+
+class MXFP8Storage(Storage):
+    """`data` keeps the `[rows, cols]` element order in both directions. `scale_inv` holds E8M0
+    codes: rowwise `[rows, ceil(cols/32)]` (blocks along a row), columnwise `[ceil(rows/32), cols]`
+    (blocks down a column)."""
+
+    format_name = "mxfp8"
+    tensor_data_names = ("data", "scale_inv")
+
+    def dequantize(self) -> torch.Tensor:
+        if self.direction == "rowwise":
+            return dequantize_row_blocks(self.data, self.scale_inv)
+        return dequantize_row_blocks(self.data.t(), self.scale_inv.t()).t()
+
+    def slice_rows(self, start: int, stop: int) -> "MXFP8Storage":
+        if self.direction == "rowwise":
+            scale_inv = self.scale_inv[start:stop]
+        else:
+            self.check_row_split(start, stop, BLOCK_SIZE)
+            scale_inv = self.scale_inv[start // BLOCK_SIZE : ceil_div(stop, BLOCK_SIZE)]
+        return MXFP8Storage(
+            data=self.data[start:stop], scale_inv=scale_inv, direction=self.direction, rows=stop - start, cols=self.cols
+        )
+
+
+class MXFP8Tensor(QuantizedTensor):
+    """A tensor stored as FP8 codes with one E8M0 scale per 32-element block."""
+
+
+class MXFP8Quantizer(Quantizer):
+    """OCP microscaling FP8. `scale_rounding="rceil"` rounds the block scale up (no saturation);
+    `"floor"` is the OCP MX v1.0 rule (may saturate the block's largest elements)."""
+
+    format_name = "mxfp8"
+    tensor_class = MXFP8Tensor
+
+    def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, scale_rounding: str = "rceil"):
+        check_fp8_dtype(fp8_dtype, "MXFP8Quantizer")
+        check_choice(scale_rounding, ("rceil", "floor"), "scale_rounding", "MXFP8Quantizer")
+        self.fp8_dtype = fp8_dtype
+        self.scale_rounding = scale_rounding
+
+    def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
+        # DESIGN.md §2: both directions come from the high-precision input, never one from the other.
+        x = x.float()
+        rows, cols = x.shape
+        rowwise_storage = columnwise_storage = None
+        if rowwise:
+            data, codes = quantize_row_blocks(x, self.fp8_dtype, self.scale_rounding)
+            rowwise_storage = MXFP8Storage(data=data, scale_inv=codes, direction="rowwise", rows=rows, cols=cols)
+        if columnwise:
+            data, codes = quantize_row_blocks(x.t(), self.fp8_dtype, self.scale_rounding)
+            columnwise_storage = MXFP8Storage(
+                data=data.t().contiguous(), scale_inv=codes.t().contiguous(), direction="columnwise", rows=rows, cols=cols
+            )
+        return rowwise_storage, columnwise_storage

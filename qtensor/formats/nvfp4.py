@@ -1,0 +1,239 @@
+"""NVFP4: E2M1 elements, an E4M3 scale per 16-element block and an fp32 tensor scale
+(DESIGN.md §2 "NVFP4"), with optional 16x16 tiles, random Hadamard transform and stochastic rounding."""
+
+import torch
+
+from ..numerics import (
+    FLT_MAX,
+    block_amax,
+    ceil_div,
+    expand_blocks,
+    finite_amax,
+    fp32,
+    pad_to_multiple,
+    scale_from_amax,
+    to_fp8_saturating,
+)
+from ..quantizer import Quantizer
+from ..storage import Storage
+from ..tensor import QuantizedTensor
+
+BLOCK_SIZE = 16
+E4M3_NAN = 0x7F
+E2M1_MAX = 6.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; bit 3 is the sign
+# Round-to-nearest-even on the grid: a magnitude above each bound moves up one code. Ties sit on
+# the bounds; `>=` at a tie whose upper neighbour has the even code, `>` where the lower one does.
+_NEAREST_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+# ---- numerics ------------------------------------------------------------------------------------
+def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = (448 * 6) / global_amax; 1 when global_amax is 0, FLT_MAX when it overflows."""
+    return scale_from_amax(global_amax, 448.0 * E2M1_MAX)
+
+
+def e2m1_codes_nearest(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (sign in bit 3) of fp32 `v`, round-to-nearest-even, saturating at ±6."""
+    magnitude = v.abs()
+    codes = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for bound, tie_goes_up in _NEAREST_BOUNDS:
+        codes += (magnitude >= bound) if tie_goes_up else (magnitude > bound)
+    return codes | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_codes_stochastic(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """E2M1 codes rounding |v| up to the next grid value with probability equal to the distance."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
+    magnitude = v.abs().clamp(max=E2M1_MAX).contiguous()
+    lower = (torch.bucketize(magnitude, grid, right=True) - 1).clamp(0, 7)
+    upper = (lower + 1).clamp(max=7)
+    gap = grid[upper] - grid[lower]
+    probability_up = torch.where(gap > 0, (magnitude - grid[lower]) / gap, 0.0)
+    draws = torch.rand(v.shape, generator=generator, device=v.device)
+    codes = (lower + (draws < probability_up).long()).to(torch.uint8)
+    return codes | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    magnitude = grid[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[R, C] 4-bit codes → [R, ceil(C/2)] bytes, element 2i in the low nibble."""
+    codes = pad_to_multiple(codes, 2, dim=1)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1)
+    return codes.reshape(packed.shape[0], -1)[:, :columns]
+
+
+def quantize_row_blocks(x, s_enc, amax_per_block, generator=None, stochastic=False):
+    """fp32 `x` [R, C] in blocks of 16 along rows, given each block's amax [R, ceil(C/16)].
+
+    Returns (packed E2M1 bytes [R, ceil(C/2)], E4M3 block scales [R, ceil(C/16)]).
+    """
+    finite = torch.isfinite(amax_per_block)
+    block_scale = to_fp8_saturating(amax_per_block * (s_enc * fp32(1.0 / 6.0, x.device)), torch.float8_e4m3fn)
+    block_scale = torch.where(finite, block_scale.view(torch.uint8), E4M3_NAN).view(torch.float8_e4m3fn)
+    decode = block_scale.float() * (fp32(1.0, x.device) / s_enc)
+    encode = (fp32(1.0, x.device) / decode).clamp(max=FLT_MAX)
+    scaled = x * expand_blocks(encode, BLOCK_SIZE, x.shape[1])
+    codes = e2m1_codes_stochastic(scaled, generator) if stochastic else e2m1_codes_nearest(scaled)
+    return pack_nibbles(codes), block_scale
+
+
+def dequantize_row_blocks(packed, block_scale, s_enc, columns) -> torch.Tensor:
+    """Value `(q * float(s)) * (1/S_enc)`, two fp32 products in that order."""
+    q = e2m1_values(unpack_nibbles(packed, columns))
+    scaled = q * expand_blocks(block_scale.float(), BLOCK_SIZE, columns)
+    return scaled * (fp32(1.0, packed.device) / s_enc)
+
+
+def hadamard_matrix(device=None) -> torch.Tensor:
+    """H = diag(signs) · H16 / 4: orthogonal, entries ±1/4 (exact in fp32)."""
+    index = torch.arange(16)
+    parity = torch.zeros(16, 16, dtype=torch.int64)
+    for bit in range(4):
+        parity ^= ((index[:, None] & index[None, :]) >> bit) & 1
+    sylvester = 1.0 - 2.0 * parity.float()
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
+    return (signs[:, None] * sylvester / 4.0).to(device)
+
+
+def apply_rht(x_t: torch.Tensor) -> torch.Tensor:
+    """Each run of 16 entries along the rows of `x_t` [K, Mp] (Mp a multiple of 16) becomes H @ run."""
+    runs = x_t.reshape(x_t.shape[0], -1, BLOCK_SIZE)
+    return (runs @ hadamard_matrix(x_t.device).t()).reshape(x_t.shape)
+
+
+def undo_rht(y_t: torch.Tensor) -> torch.Tensor:
+    runs = y_t.reshape(y_t.shape[0], -1, BLOCK_SIZE)
+    return (runs @ hadamard_matrix(y_t.device)).reshape(y_t.shape)
+
+
+def tile_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| of each 16x16 tile of `x` [R, C]: [ceil(R/16), ceil(C/16)]."""
+    padded = pad_to_multiple(pad_to_multiple(x, BLOCK_SIZE, 0), BLOCK_SIZE, 1)
+    tiles_r, tiles_c = padded.shape[0] // BLOCK_SIZE, padded.shape[1] // BLOCK_SIZE
+    if padded.numel() == 0:
+        return padded.new_zeros(tiles_r, tiles_c)
+    return padded.abs().reshape(tiles_r, BLOCK_SIZE, tiles_c, BLOCK_SIZE).amax(dim=(1, 3))
+
+
+class NVFP4Storage(Storage):
+    """Rowwise: `data` [rows, ceil(cols/2)] packed E2M1, `scale_inv` [rows, ceil(cols/16)] E4M3.
+    Columnwise: the transposed tensor quantized along its rows, `data` [cols, ceil(rows/2)],
+    `scale_inv` [cols, ceil(rows/16)]; with `rht` the rows are zero-padded to a multiple of 16
+    before the transform and `data` covers the padding ([cols, 8*ceil(rows/16)]).
+    `global_amax` (0-d fp32) gives the tensor scale S_enc."""
+
+    format_name = "nvfp4"
+    tensor_data_names = ("data", "scale_inv", "global_amax")
+    tensor_attribute_names = ("direction", "rows", "cols", "rht")
+
+    def dequantize(self) -> torch.Tensor:
+        s_enc = encode_scale(self.global_amax)
+        if self.direction == "rowwise":
+            return dequantize_row_blocks(self.data, self.scale_inv, s_enc, self.cols)
+        stored_rows = self._stored_rows(self.rows)
+        values = dequantize_row_blocks(self.data, self.scale_inv, s_enc, stored_rows)
+        if self.rht:
+            values = undo_rht(values)
+        return values[:, : self.rows].t()
+
+    def _stored_rows(self, rows: int) -> int:
+        return BLOCK_SIZE * ceil_div(rows, BLOCK_SIZE) if self.rht else rows
+
+    def slice_rows(self, start: int, stop: int) -> "NVFP4Storage":
+        if self.direction == "rowwise":
+            data, scale_inv = self.data[start:stop], self.scale_inv[start:stop]
+        else:
+            self.check_row_split(start, stop, BLOCK_SIZE)
+            data = self.data[:, start // 2 : ceil_div(self._stored_rows(stop), 2)]
+            scale_inv = self.scale_inv[:, start // BLOCK_SIZE : ceil_div(stop, BLOCK_SIZE)]
+        return NVFP4Storage(
+            data=data,
+            scale_inv=scale_inv,
+            global_amax=self.global_amax,
+            direction=self.direction,
+            rows=stop - start,
+            cols=self.cols,
+            rht=self.rht,
+        )
+
+
+class NVFP4Tensor(QuantizedTensor):
+    """A tensor stored as packed E2M1 codes with E4M3 block scales and an fp32 tensor scale."""
+
+
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 with 1x16 blocks, or 16x16 tiles (`block_2d`, same values in both directions); `rht`
+    applies the random Hadamard transform to the columnwise copy; `stochastic_rounding` rounds
+    elements stochastically (reproducibly when `seed` is given)."""
+
+    format_name = "nvfp4"
+    tensor_class = NVFP4Tensor
+
+    def __init__(self, block_2d: bool = False, rht: bool = False, stochastic_rounding: bool = False, seed=None):
+        for option, value in (("block_2d", block_2d), ("rht", rht), ("stochastic_rounding", stochastic_rounding)):
+            if not isinstance(value, bool):
+                raise ValueError(f"NVFP4Quantizer: {option} must be True or False, got {value!r}.")
+        if block_2d and rht:
+            raise ValueError(
+                "NVFP4Quantizer: block_2d=True and rht=True cannot be combined: 16x16 tiles make both "
+                "directions hold the same values, the transform makes them differ. Choose one."
+            )
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"NVFP4Quantizer: seed must be an int or None, got {seed!r}.")
+        self.block_2d = block_2d
+        self.rht = rht
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        """One seeded generator per device, advancing with each quantization; None: torch's global RNG."""
+        if self.seed is None or not self.stochastic_rounding:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
+        x = x.float()
+        rows, cols = x.shape
+        generator = self._generator(x.device)
+        global_amax = finite_amax(x)
+        s_enc = encode_scale(global_amax)
+        tiles = tile_amax(x) if self.block_2d else None
+        common = dict(rows=rows, cols=cols, rht=self.rht)
+        rowwise_storage = columnwise_storage = None
+        if rowwise:
+            amax = tiles.repeat_interleave(BLOCK_SIZE, 0)[:rows] if self.block_2d else block_amax(x, BLOCK_SIZE)
+            data, scale_inv = quantize_row_blocks(x, s_enc, amax, generator, self.stochastic_rounding)
+            rowwise_storage = NVFP4Storage(
+                data=data, scale_inv=scale_inv, global_amax=global_amax, direction="rowwise", **common
+            )
+        if columnwise:
+            x_t = x.t()
+            column_amax, column_s_enc = global_amax, s_enc
+            if self.rht:
+                x_t = apply_rht(pad_to_multiple(x_t, BLOCK_SIZE, dim=1))
+                column_amax = finite_amax(x_t)
+                column_s_enc = encode_scale(column_amax)
+            if self.block_2d:
+                amax = tiles.t().repeat_interleave(BLOCK_SIZE, 0)[:cols]
+            else:
+                amax = block_amax(x_t, BLOCK_SIZE)
+            data, scale_inv = quantize_row_blocks(x_t, column_s_enc, amax, generator, self.stochastic_rounding)
+            columnwise_storage = NVFP4Storage(
+                data=data, scale_inv=scale_inv, global_amax=column_amax, direction="columnwise", **common
+            )
+        return rowwise_storage, columnwise_storage
+

@@ -1,0 +1,98 @@
+"""Exact fp32 building blocks shared by the formats (DESIGN.md §2).
+
+Each function is pure torch and bit-exact on CPU and GPU; the format modules compose them.
+"""
+
+import torch
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype: 448 (E4M3) or 57344 (E5M2)."""
+    return torch.finfo(fp8_dtype).max
+
+
+def check_fp8_dtype(fp8_dtype, owner: str) -> None:
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"{owner}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}."
+        )
+
+
+def check_choice(value, allowed: tuple, option: str, owner: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}: {option} must be one of {allowed}, got {value!r}.")
+
+
+def to_fp8_saturating(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 to FP8 (nearest even), clamping to ±max first. NaN stays NaN; ±Inf clamps."""
+    limit = fp8_max(fp8_dtype)
+    return x.clamp(-limit, limit).to(fp8_dtype)
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| over the finite values, as an fp32 0-d tensor (0 for an empty or all-non-finite x)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax().float()
+
+
+def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as fp32, exactly, for integer exponents in [-149, 127] (subnormals included)."""
+    exponent = exponent.to(torch.int32)
+    normal = (exponent + 127).clamp(min=0) << 23
+    subnormal = torch.ones_like(exponent) << (exponent + 149).clamp(0, 22)
+    return torch.where(exponent >= -126, normal, subnormal).view(torch.float32)
+
+
+def round_down_pow2(x: torch.Tensor) -> torch.Tensor:
+    """Clear the mantissa bits of positive fp32 values: the largest power of two at or below x."""
+    return (x.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def fp32(value: float, device=None) -> torch.Tensor:
+    """A 0-d fp32 constant (Python floats are doubles; the spec's constants are fp32)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def scale_from_amax(amax: torch.Tensor, max_value: float, margin: int = 0) -> torch.Tensor:
+    """fp32 `(max_value / amax) / 2**margin`, 1 when amax is 0, FLT_MAX when it overflows."""
+    scale = fp32(max_value, amax.device) / amax
+    if margin:
+        scale = scale / fp32(2.0**margin, amax.device)
+    scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
+    return torch.where(amax == 0, 1.0, scale)
+
+
+def pad_to_multiple(x: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+    """Zero-pad `dim` of a 2-D tensor up to a multiple of `block` (DESIGN.md §2: partial blocks)."""
+    remainder = x.shape[dim] % block
+    if remainder == 0:
+        return x
+    pad = [0, 0, 0, 0]
+    pad[1 if dim == 1 else 3] = block - remainder
+    return torch.nn.functional.pad(x, pad)
+
+
+def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """max|x| of each run of `block` elements along the rows of a 2-D tensor: [R, ceil(C/block)].
+
+    NaN anywhere in a block gives NaN; Inf gives Inf.
+    """
+    rows = x.shape[0]
+    blocks = pad_to_multiple(x, block, dim=1).reshape(rows, -1, block)
+    if blocks.shape[1] == 0 or rows == 0:
+        return blocks.new_zeros(rows, blocks.shape[1])
+    return blocks.abs().amax(dim=-1)
+
+
+def expand_blocks(per_block: torch.Tensor, block: int, columns: int) -> torch.Tensor:
+    """Repeat each per-block value over its `block` columns and crop to `columns`."""
+    return per_block.repeat_interleave(block, dim=1)[:, :columns]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

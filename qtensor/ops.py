@@ -1,0 +1,198 @@
+"""Format-independent dispatch ops, registered once on QuantizedTensor (DESIGN.md §3).
+
+These are the ops FSDP2 and nn.Module send to parameters. Each works on storages, so every format
+(and a hybrid of any two) gets them for free. A shape an op cannot keep quantized (a view that
+changes the last dimension, a split along another dimension) takes the dequantized fallback.
+"""
+
+import torch
+from torch._prims_common import infer_size
+
+from .quantizer import INPUT_DTYPES, fold_to_2d
+from .tensor import QuantizedTensor, dequantized_fallback, rows_per_index
+
+aten = torch.ops.aten
+implements = QuantizedTensor.implements
+
+
+def bind(func, args, kwargs) -> dict:
+    """The op's arguments by schema name, defaults filled in."""
+    bound = {}
+    for position, argument in enumerate(func._schema.arguments):
+        if position < len(args) and not argument.kwarg_only:
+            bound[argument.name] = args[position]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            bound[argument.name] = argument.default_value
+    return bound
+
+
+@implements(aten.detach.default, aten.alias.default)
+def _alias(func, args, kwargs):
+    self = args[0]
+    return self.with_storages(self.rowwise, self.columnwise)
+
+
+@implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    return args[0].map_storages(lambda storage: storage.map_buffers(torch.clone))
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    self = args[0]
+    dtype = kwargs.get("dtype") or self.dtype
+    if dtype not in INPUT_DTYPES:
+        return dequantized_fallback(func, args, kwargs)
+    device = kwargs.get("device") or self.device
+    non_blocking = kwargs.get("non_blocking", False)
+
+    def move(buffer):
+        moved = buffer.to(device, non_blocking=non_blocking, copy=True)
+        return moved.pin_memory() if kwargs.get("pin_memory") else moved
+
+    return self.map_storages(lambda storage: storage.map_buffers(move), dtype=dtype)
+
+
+@implements(aten.view.default, aten._unsafe_view.default)
+def _view(func, args, kwargs):
+    self, size = args[0], args[1]
+    shape = torch.Size(infer_size(size, self.numel())) if self.numel() else torch.Size(size)
+    keeps_rows = len(shape) >= 1 and shape[-1] == self.shape[-1] and shape.numel() == self.numel()
+    if not keeps_rows or (self.shape[-1] == 0 and shape[:-1].numel() != self.shape[:-1].numel()):
+        return dequantized_fallback(func, args, kwargs)
+    return self.with_storages(self.rowwise, self.columnwise, shape=shape)
+
+
+@implements(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    self = a["self"]
+    identity = (
+        list(a["size"]) == list(self.shape) and list(a["stride"]) == list(self.stride()) and not a["storage_offset"]
+    )
+    if not identity:
+        return dequantized_fallback(func, args, kwargs)
+    return self.with_storages(self.rowwise, self.columnwise)
+
+
+def slice_dim0(self: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+    """Indices `[start, stop)` along dim 0, keeping block boundaries (raises ValueError otherwise)."""
+    per_index = rows_per_index(self.shape)
+    row_start, row_stop = start * per_index, stop * per_index
+    shape = torch.Size([stop - start, *self.shape[1:]])
+    return self.map_storages(lambda storage: storage.slice_rows(row_start, row_stop), shape=shape)
+
+
+def _splits_dim0(self, dim) -> bool:
+    return self.dim() >= 2 and dim % self.dim() == 0
+
+
+@implements(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    self, sizes = a["self"], a.get("split_size", a.get("split_sizes"))
+    if not _splits_dim0(self, a["dim"]):
+        return dequantized_fallback(func, args, kwargs)
+    length = self.shape[0]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, length - start) for start in range(0, length, sizes)] or [0]
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(slice_dim0(self, start, start + size))
+        start += size
+    return pieces
+
+
+@implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    a = bind(func, args, kwargs)
+    self = a["self"]
+    if not _splits_dim0(self, a["dim"]) or a["step"] != 1:
+        return dequantized_fallback(func, args, kwargs)
+    start, end, _ = slice(a["start"], a["end"]).indices(self.shape[0])
+    return slice_dim0(self, start, max(start, end))
+
+
+@implements(aten.copy_.default)
+def _copy(func, args, kwargs):
+    self, src = args[0], args[1]
+    if isinstance(src, QuantizedTensor) and _byte_compatible(self, src):
+        for direction in ("rowwise", "columnwise"):
+            mine, theirs = getattr(self, direction), getattr(src, direction)
+            if mine is not None and not (direction == "columnwise" and mine is self.rowwise):
+                mine.copy_from(theirs)
+        return self
+    plain = src.dequantize() if isinstance(src, QuantizedTensor) else src
+    plain = plain.to(device=self.device, dtype=self.dtype).expand(self.shape)
+    fresh = self.quantizer.quantize(plain, rowwise=self.has_rowwise, columnwise=self.has_columnwise)
+    _write_storages(self, fresh)
+    return self
+
+
+def _byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:
+    if type(self) is not type(src) or self.shape != src.shape or not self.quantizer.same_format(src.quantizer):
+        return False
+    for direction in ("rowwise", "columnwise"):
+        mine, theirs = getattr(self, direction), getattr(src, direction)
+        if mine is not None and (theirs is None or not mine.same_layout(theirs)):
+            return False
+    return True
+
+
+def _write_storages(self: QuantizedTensor, fresh: QuantizedTensor) -> None:
+    for direction in ("rowwise", "columnwise"):
+        mine = getattr(self, direction)
+        if mine is not None and not (direction == "columnwise" and mine is self.rowwise):
+            mine.copy_from(getattr(fresh, direction))
+
+
+def quantized_zeros(self: QuantizedTensor, shape, dtype=None, device=None) -> QuantizedTensor:
+    """Zeros of `shape` in self's format and usages; the quantizer's running state is untouched."""
+    dtype = dtype if dtype in INPUT_DTYPES else self.dtype
+    zeros = torch.zeros(shape, dtype=dtype, device=device or self.device)
+    rowwise, columnwise = self.quantizer._quantize_2d(
+        fold_to_2d(zeros), self.has_rowwise, self.has_columnwise, update_state=False
+    )
+    if self.rowwise is not None and self.rowwise is self.columnwise:
+        columnwise = rowwise
+    return self.with_storages(rowwise, columnwise, shape=torch.Size(shape), dtype=dtype)
+
+
+@implements(aten.new_zeros.default, aten.new_empty.default)
+def _new_zeros(func, args, kwargs):
+    self, size = args[0], args[1]
+    if len(size) == 0:
+        return dequantized_fallback(func, args, kwargs)
+    return quantized_zeros(self, size, kwargs.get("dtype"), kwargs.get("device"))
+
+
+@implements(aten.empty_like.default, aten.zeros_like.default)
+def _empty_like(func, args, kwargs):
+    self = args[0]
+    return quantized_zeros(self, self.shape, kwargs.get("dtype"), kwargs.get("device"))
+
+
+@implements(aten.zero_.default)
+def _zero(func, args, kwargs):
+    self = args[0]
+    _write_storages(self, quantized_zeros(self, self.shape))
+    return self
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    self = args[0]
+    storages = [s for s in (self.rowwise, self.columnwise) if s is not None]
+    return all(buffer.is_pinned() for storage in storages for buffer in storage.buffers.values())
+
+
+@implements(aten._pin_memory.default)
+def _pin_memory(func, args, kwargs):
+    return args[0].map_storages(lambda storage: storage.map_buffers(torch.Tensor.pin_memory))
+
+
+@implements(aten._has_compatible_shallow_copy_type.default)
+def _has_compatible_shallow_copy_type(func, args, kwargs):
+    return type(args[0]) is type(args[1])
