@@ -82,10 +82,10 @@ def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 
     NaN anywhere in a block gives NaN; Inf gives Inf.
     """
-    rows = x.shape[0]
-    blocks = pad_to_multiple(x, block, dim=1).reshape(rows, -1, block)
-    if blocks.shape[1] == 0 or rows == 0:
-        return blocks.new_zeros(rows, blocks.shape[1])
+    rows, num_blocks = x.shape[0], ceil_div(x.shape[1], block)
+    blocks = pad_to_multiple(x, block, dim=1).reshape(rows, num_blocks, block)
+    if blocks.numel() == 0:
+        return blocks.new_zeros(rows, num_blocks)
     return blocks.abs().amax(dim=-1)
 
 

@@ -124,11 +124,22 @@ def _copy(func, args, kwargs):
             if mine is not None and not (direction == "columnwise" and mine is self.rowwise):
                 mine.copy_from(theirs)
         return self
+    _check_not_a_slice_of_tensor_wide_scale(self)
     plain = src.dequantize() if isinstance(src, QuantizedTensor) else src
     plain = plain.to(device=self.device, dtype=self.dtype).expand(self.shape)
     fresh = self.quantizer.quantize(plain, rowwise=self.has_rowwise, columnwise=self.has_columnwise)
     _write_storages(self, fresh)
     return self
+
+
+def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
+    for storage in (self.rowwise, self.columnwise):
+        if storage is not None and storage.tensor_wide_names and storage.is_row_slice():
+            raise ValueError(
+                f"Cannot quantize into a row slice of a {type(self).__name__}: its "
+                f"{'/'.join(storage.tensor_wide_names)} covers the whole tensor, and a new one for these "
+                "rows would change the rest. Copy into the whole tensor, or into a clone() of the slice."
+            )
 
 
 def _byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:
@@ -191,8 +202,3 @@ def _is_pinned(func, args, kwargs):
 @implements(aten._pin_memory.default)
 def _pin_memory(func, args, kwargs):
     return args[0].map_storages(lambda storage: storage.map_buffers(torch.Tensor.pin_memory))
-
-
-@implements(aten._has_compatible_shallow_copy_type.default)
-def _has_compatible_shallow_copy_type(func, args, kwargs):
-    return type(args[0]) is type(args[1])

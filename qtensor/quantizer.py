@@ -60,7 +60,7 @@ class Quantizer:
 
     def same_format(self, other: "Quantizer") -> bool:
         """True when `other` produces byte-compatible tensors (same class, same configuration)."""
-        return type(self) is type(other) and self.config() == other.config()
+        return type(self) is type(other) and quantizer_to_dict(self)["config"] == quantizer_to_dict(other)["config"]
 
     def __repr__(self) -> str:
         args = ", ".join(f"{name}={_format_value(value)}" for name, value in self.config().items())

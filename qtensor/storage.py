@@ -22,6 +22,8 @@ class Storage:
 
     format_name: str = ""
     tensor_data_names: tuple[str, ...] = ()
+    # Buffers that describe the whole tensor (a per-tensor scale), shared by every row slice.
+    tensor_wide_names: tuple[str, ...] = ()
     tensor_attribute_names: tuple[str, ...] = ("direction", "rows", "cols")
 
     def __init_subclass__(cls, **kwargs):
@@ -78,6 +80,11 @@ class Storage:
         """Byte-for-byte copy of `other`'s buffers into this storage's, in place."""
         for mine, theirs in zip(self.buffers.values(), other.buffers.values()):
             mine.copy_(theirs)
+
+    def is_row_slice(self) -> bool:
+        """True when this storage views part of a larger one (a split or slice of a tensor)."""
+        data = self.buffers[self.tensor_data_names[0]]
+        return data.untyped_storage().nbytes() > data.numel() * data.element_size()
 
     def to_direction(self, direction: str) -> "Storage | None":
         """This storage re-laid out for the other direction, or None when the format cannot."""

@@ -34,6 +34,7 @@ class Float8Storage(Storage):
     layout an FP8 GEMM wants for the other reduction). Both share the 0-d fp32 `scale_inv`."""
 
     format_name = "float8"
+    tensor_wide_names = ("scale_inv",)
     tensor_data_names = ("data", "scale_inv")
 
     def dequantize(self) -> torch.Tensor:

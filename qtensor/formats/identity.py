@@ -14,7 +14,7 @@ class IdentityStorage(Storage):
     tensor_data_names = ("data",)
 
     def dequantize(self) -> torch.Tensor:
-        return self.data.float()
+        return self.data.to(torch.float32, copy=True)  # never an alias of the stored buffer
 
     def slice_rows(self, start: int, stop: int) -> "IdentityStorage":
         return IdentityStorage(data=self.data[start:stop], direction=self.direction, rows=stop - start, cols=self.cols)
@@ -25,15 +25,6 @@ class IdentityStorage(Storage):
 
 class IdentityTensor(QuantizedTensor):
     """A high-precision tensor behind the QuantizedTensor interface (a role left unquantized)."""
-
-    def dequantize(self, dtype=None, direction=None) -> torch.Tensor:
-        # Skip the fp32 round trip of the base class: the stored values are already the answer.
-        self.storage_for(direction)
-        return self.rowwise_or_columnwise.data.reshape(self.shape).to(dtype or self.dtype)
-
-    @property
-    def rowwise_or_columnwise(self) -> IdentityStorage:
-        return self.rowwise if self.rowwise is not None else self.columnwise
 
 
 class IdentityQuantizer(Quantizer):

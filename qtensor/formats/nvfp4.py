@@ -70,7 +70,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_nibbles(packed: torch.Tensor, columns: int) -> torch.Tensor:
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1)
-    return codes.reshape(packed.shape[0], -1)[:, :columns]
+    return codes.reshape(packed.shape[0], 2 * packed.shape[1])[:, :columns]
 
 
 def quantize_row_blocks(x, s_enc, amax_per_block, generator=None, stochastic=False):
@@ -108,12 +108,12 @@ def hadamard_matrix(device=None) -> torch.Tensor:
 
 def apply_rht(x_t: torch.Tensor) -> torch.Tensor:
     """Each run of 16 entries along the rows of `x_t` [K, Mp] (Mp a multiple of 16) becomes H @ run."""
-    runs = x_t.reshape(x_t.shape[0], -1, BLOCK_SIZE)
+    runs = x_t.reshape(x_t.shape[0], x_t.shape[1] // BLOCK_SIZE, BLOCK_SIZE)
     return (runs @ hadamard_matrix(x_t.device).t()).reshape(x_t.shape)
 
 
 def undo_rht(y_t: torch.Tensor) -> torch.Tensor:
-    runs = y_t.reshape(y_t.shape[0], -1, BLOCK_SIZE)
+    runs = y_t.reshape(y_t.shape[0], y_t.shape[1] // BLOCK_SIZE, BLOCK_SIZE)
     return (runs @ hadamard_matrix(y_t.device)).reshape(y_t.shape)
 
 
@@ -134,6 +134,7 @@ class NVFP4Storage(Storage):
     `global_amax` (0-d fp32) gives the tensor scale S_enc."""
 
     format_name = "nvfp4"
+    tensor_wide_names = ("global_amax",)
     tensor_data_names = ("data", "scale_inv", "global_amax")
     tensor_attribute_names = ("direction", "rows", "cols", "rht")
 
