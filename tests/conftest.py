@@ -22,7 +22,7 @@ _NUMPY_DTYPE = {torch.float32: np.float32, torch.bfloat16: ml_dtypes.bfloat16, t
 # tile exponent range per dtype: 2**[-20, 20] where the dtype has the range, narrower for fp16
 _EXPONENTS = {torch.float32: (-20, 20), torch.bfloat16: (-20, 20), torch.float16: (-10, 10)}
 _HUGE = {torch.float32: 3.0e38, torch.bfloat16: 3.0e38, torch.float16: 6.0e4}
-_TINY = {torch.float32: 1e-41, torch.bfloat16: 1e-41, torch.float16: 2.0**-23}
+_TINY = {torch.float32: 1e-41, torch.bfloat16: 1e-39, torch.float16: 2.0**-23}
 
 
 def to_torch(values, dtype):
@@ -38,10 +38,10 @@ def _round(values, dtype):
         return np.asarray(values, np.float32).astype(_NUMPY_DTYPE[dtype]).astype(np.float32)
 
 
-def tile_map(shape2d, per_tile):
-    """Expand per-tile values [ceil(M/16), ceil(K/16)] to a per-element [M, K] map."""
+def tile_map(shape2d, per_tile, tile=TILE):
+    """Expand per-tile values [ceil(M/tile), ceil(K/tile)] to a per-element [M, K] map."""
     rows, cols = shape2d
-    return np.repeat(np.repeat(per_tile, TILE, axis=0), TILE, axis=1)[:rows, :cols]
+    return np.repeat(np.repeat(per_tile, tile, axis=0), tile, axis=1)[:rows, :cols]
 
 
 def _tile_diagonal(shape2d, tile):
@@ -60,9 +60,8 @@ def _as_2d(shape):
 
 
 class Inputs:
-    """Test data. `make(kind, shape, dtype)` kinds: varied, special, extremes, all_tiny, zeros."""
-
-    KINDS = ("varied", "special", "extremes", "all_tiny", "zeros")
+    """Test data. `make(kind, shape, dtype)` kinds: varied, special, extremes, all_tiny, zeros;
+    plus exact-tie builders per format and exactly transformable data for the RHT."""
 
     def make(self, kind, shape, dtype, seed=0):
         rng = np.random.default_rng(seed)
@@ -132,7 +131,7 @@ class Inputs:
         candidates = np.concatenate([(values[:-1] + values[1:]) / 2, values]).astype(np.float32)
         m, k = _as_2d(shape)
         lo, hi = (-20, 20) if dtype != torch.float16 else (-6, 0)
-        exponents = np.repeat(np.repeat(rng.integers(lo, hi + 1, size=(-(-m // 32), -(-k // 32))), 32, 0), 32, 1)[:m, :k]
+        exponents = tile_map((m, k), rng.integers(lo, hi + 1, size=(-(-m // 32), -(-k // 32))), tile=32)
         x = rng.choice(candidates, size=(m, k))
         x = np.where(_tile_diagonal((m, k), 32), fp8_max, x) * rng.choice([-1, 1], size=(m, k))
         return to_torch((x * np.exp2(exponents)).astype(np.float32).reshape(shape), dtype)

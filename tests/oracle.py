@@ -244,7 +244,7 @@ def pack_nibbles(codes):
 def unpack_nibbles(packed, length):
     """Inverse of pack_nibbles, keeping `length` elements per row."""
     packed = np.asarray(packed, np.uint8)
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], 2 * packed.shape[1])
     return codes[:, :length]
 
 

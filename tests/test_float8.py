@@ -102,6 +102,16 @@ def test_delayed_scaling_follows_the_amax_history(inputs, fp8, algo, history_len
         assert_matches_oracle(quantizer.quantize(x), x, reference.quantize(as_2d(x)), fp8)
 
 
+def test_delayed_scaling_first_cast_uses_unit_scale_even_with_amax_epsilon():
+    # DESIGN.md §2: scale is 1 while the history is empty; amax_epsilon only floors a history amax
+    quantizer = qtensor.Float8Quantizer(scaling="delayed", amax_epsilon=4.0)
+    q = quantizer.quantize(torch.tensor([[1.5, -3.0]]))
+    oracle.assert_same_bits(q.rowwise.scale_inv, np.float32(1), "first cast scale_inv")
+    q = quantizer.quantize(torch.tensor([[1.5, -3.0]]))
+    oracle.assert_same_bits(q.rowwise.scale_inv, np.float32(1) / (np.float32(448) / np.float32(4)),
+                            "second cast scale_inv (history amax 3 floored to 4)")
+
+
 @pytest.mark.parametrize("options", [dict(margin=2), dict(force_pow_2_scales=True),
                                      dict(amax_epsilon=2.0**25, margin=1, force_pow_2_scales=True)],
                          ids=["margin", "pow2", "epsilon_margin_pow2"])

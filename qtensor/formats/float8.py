@@ -99,10 +99,9 @@ class Float8Quantizer(Quantizer):
             margin = 0
         else:
             history = self.amax_history.to(x.device)
-            if history.numel() == 0:
-                amax = torch.zeros((), dtype=torch.float32, device=x.device)
-            else:
-                amax = history.max() if self.amax_compute_algo == "max" else history[-1]
+            if history.numel() == 0:  # DESIGN.md §2: scale 1 until a cast has been recorded
+                return torch.ones((), dtype=torch.float32, device=x.device)
+            amax = history.max() if self.amax_compute_algo == "max" else history[-1]
             margin = self.margin
         amax = torch.maximum(amax, fp32(self.amax_epsilon, x.device))
         scale = scale_from_amax(amax, fp8_max(self.fp8_dtype), margin)
