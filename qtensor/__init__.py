@@ -1,15 +1,28 @@
 """qtensor: quantized tensor subclasses for low-precision training in PyTorch."""
 
 from . import ops as _ops  # noqa: F401  (registers the format-independent dispatch ops)
+from . import optim, recipes
 from .formats.float8 import Float8Quantizer, Float8Tensor
 from .formats.hybrid import HybridQuantizedTensor, HybridQuantizer
 from .formats.identity import IdentityQuantizer, IdentityTensor
 from .formats.mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from .formats.nvfp4 import NVFP4Quantizer, NVFP4Tensor
+from .linear import DynamicWeight, LinearQuantizers
+from .quantize import QuantizeReport, dequantize_, quantize_
 from .quantizer import Quantizer
+from .recipe import Recipe, Role
 from .tensor import QuantizedTensor
 
 __all__ = [
+    "DynamicWeight",
+    "LinearQuantizers",
+    "QuantizeReport",
+    "Recipe",
+    "Role",
+    "dequantize_",
+    "optim",
+    "quantize_",
+    "recipes",
     "Float8Quantizer",
     "Float8Tensor",
     "HybridQuantizedTensor",

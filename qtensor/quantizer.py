@@ -50,6 +50,24 @@ class Quantizer:
         duplicate.load_state_dict(self.state_to_dict())
         return duplicate
 
+    def describe(self) -> str:
+        """A short name for tables: the format and the options that differ from the defaults."""
+        import inspect
+
+        defaults = {n: p.default for n, p in inspect.signature(type(self).__init__).parameters.items()}
+        options = [
+            _short(name, value) for name, value in self.config().items() if defaults.get(name, inspect.Parameter.empty) != value
+        ]
+        return " ".join([self.format_name, *options])
+
+    def unsupported_shape_reason(self, shape: torch.Size, role: str) -> str | None:
+        """Why this quantizer cannot take a tensor of `shape` in `role`, or None when it can.
+
+        The reference path takes any shape (partial blocks behave as zero-padded); a subclass
+        restricts this where its kernels need it, and qtensor.quantize_ skips such layers.
+        """
+        return None
+
     def state_to_dict(self) -> dict:
         """Running state to save with the configuration (delayed scaling's amax history)."""
         return {}
@@ -103,6 +121,16 @@ class Quantizer:
                 f"{name}.quantize was asked for no direction; pass rowwise=True and/or columnwise=True."
             )
         return fold_to_2d(x)
+
+
+def _short(name: str, value) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.float8_")
+    if isinstance(value, Quantizer):
+        return f"{name}=({value.describe()})"
+    if value is True:
+        return name
+    return f"{name}={value}"
 
 
 def _format_value(value) -> str:

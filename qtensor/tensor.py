@@ -30,6 +30,8 @@ class QuantizedTensor(torch.Tensor):
     """
 
     _ops: dict = {}
+    # Set on a layer's weight by qtensor.quantize_ (a linear.LinearQuantizers); kept by derived tensors.
+    linear_quantizers = None
     rowwise: Storage | None
     columnwise: Storage | None
     quantizer: Quantizer
@@ -55,7 +57,17 @@ class QuantizedTensor(torch.Tensor):
     def __init__(self, *args, **kwargs):
         pass
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # A weight that carries its layer's quantizers routes F.linear & co. to the quantized linear.
+        from .linear import intercept
+
+        kwargs = kwargs or {}
+        result = intercept(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     # ---- public API ---------------------------------------------------------------------------
     @property
@@ -119,8 +131,8 @@ class QuantizedTensor(torch.Tensor):
         return rebuilt
 
     def with_storages(self, rowwise, columnwise, shape=None, dtype=None, requires_grad=False):
-        """A new tensor of this class and quantizer over the given storages."""
-        return type(self)(
+        """A new tensor of this class, quantizer and layer quantizers over the given storages."""
+        result = type(self)(
             self.shape if shape is None else shape,
             self.dtype if dtype is None else dtype,
             rowwise,
@@ -128,6 +140,8 @@ class QuantizedTensor(torch.Tensor):
             self.quantizer,
             requires_grad=requires_grad,
         )
+        result.linear_quantizers = self.linear_quantizers
+        return result
 
     def map_storages(self, fn, **kwargs) -> "QuantizedTensor":
         """Apply `fn` to each storage, keeping a storage shared by both directions shared."""

@@ -1,0 +1,268 @@
+"""F.linear through quantized weights: the autograd Function (fprop, dgrad, wgrad) and the
+torch-function entry points that route a stock nn.Linear to it (DESIGN.md §1).
+
+A layer's quantizers travel on its weight: a `QuantizedTensor` parameter (`weights="quantized"`) or a
+`DynamicWeight` (`weights="dynamic"`: high-precision values, quantized at use) carries a
+`LinearQuantizers` in its `linear_quantizers` attribute. `F.linear(x, weight, bias)` on such a
+weight, and `x @ weight.t()` / `torch.addmm(bias, x, weight.t())`, run `QuantizedLinearFunction`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import gemm
+from .quantizer import Quantizer, fold_to_2d
+from .tensor import QuantizedTensor
+
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+@dataclass
+class LinearQuantizers:
+    """The quantizers of one linear layer, by tensor role; None keeps that tensor in high precision."""
+
+    input: Quantizer | None
+    weight: Quantizer | None
+    grad_output: Quantizer | None
+    backward_override: str | None = None
+    name: str = ""
+
+    def describe(self) -> str:
+        parts = [f"{role}={q.describe() if q is not None else 'high precision'}" for role, q in self.roles().items()]
+        if self.backward_override:
+            parts.append(f"backward={self.backward_override}")
+        return ", ".join(parts)
+
+    def roles(self) -> dict[str, Quantizer | None]:
+        return {"input": self.input, "weight": self.weight, "grad_output": self.grad_output}
+
+
+def carries_quantizers(tensor) -> bool:
+    return getattr(tensor, "linear_quantizers", None) is not None
+
+
+# ---- the autograd Function ---------------------------------------------------------------------
+def _only(tensor: torch.Tensor, direction: str | None) -> torch.Tensor:
+    """An alias of a quantized operand that keeps just `direction`, what the backward reads."""
+    if direction is None or not isinstance(tensor, QuantizedTensor):
+        return tensor
+    alias = tensor.detach()
+    alias.update_usage(**{"columnwise" if direction == "rowwise" else "rowwise": False})
+    return alias
+
+
+def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: bool, columnwise: bool) -> torch.Tensor:
+    if quantizer is None:
+        return tensor
+    return quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise)
+
+
+def _weight_operand(weight, linear: LinearQuantizers, *, columnwise: bool) -> torch.Tensor:
+    """The weight for this step: the quantized parameter itself, or the dynamic weight quantized now."""
+    if isinstance(weight, QuantizedTensor):
+        if columnwise and not weight.has_columnwise:
+            raise ValueError(
+                f"The quantized weight of {linear.name or 'this layer'} holds no columnwise copy, which "
+                "dgrad needs. Quantize the weight with columnwise=True (qtensor.quantize_ does)."
+            )
+        return weight
+    return _quantize(linear.weight, weight, rowwise=True, columnwise=columnwise)
+
+
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+class QuantizedLinearFunction(torch.autograd.Function):
+    """y = x · Wᵀ + b with each GEMM on the operands the layer's quantizers chose.
+
+    Every tensor is quantized once per step with the usages its backward needs; only what the
+    backward needs is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool):
+        override = linear.backward_override
+        quantized_backward = override is None
+        # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
+        x2d = fold_to_2d(x)
+        x_q = _quantize(linear.input, x2d, rowwise=True, columnwise=weight_needs_grad and quantized_backward)
+        w_q = _weight_operand(weight, linear, columnwise=input_needs_grad and quantized_backward)
+
+        y = gemm.fprop(x_q, w_q)
+        if bias is not None:
+            y = y + bias.float()
+        out = y.to(_output_dtype(x, weight)).reshape(*x.shape[:-1], y.shape[-1])
+
+        if override is None:
+            saved_x, saved_w = (x_q, "columnwise"), (w_q, "columnwise")
+        elif override == "dequantized":
+            saved_x, saved_w = (x_q, "rowwise"), (w_q, "rowwise")
+        else:  # high_precision: the original operands
+            original_w = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+            saved_x, saved_w = (x2d, None), (original_w, None)
+        ctx.save_for_backward(
+            _only(*saved_x) if weight_needs_grad else None,
+            _only(*saved_w) if input_needs_grad else None,
+        )
+        ctx.linear = linear
+        ctx.needs_grad = (input_needs_grad, weight_needs_grad)
+        ctx.x_meta = (x.shape, x.dtype)
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved_x, saved_w = ctx.saved_tensors
+        input_needs_grad, weight_needs_grad = ctx.needs_grad
+        linear = ctx.linear
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+
+        if linear.backward_override == "dequantized":
+            saved_x = saved_x.dequantize(direction="rowwise") if isinstance(saved_x, QuantizedTensor) else saved_x
+            saved_w = saved_w.dequantize(direction="rowwise") if isinstance(saved_w, QuantizedTensor) else saved_w
+        grad_q = grad_2d
+        if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
+            # Quantized once, with both usages the two backward GEMMs need.
+            grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)
+
+        if input_needs_grad:
+            x_shape, x_dtype = ctx.x_meta
+            grad_x = gemm.dgrad(grad_q, saved_w).to(x_dtype).reshape(x_shape)
+        if weight_needs_grad:
+            grad_weight = gemm.wgrad(grad_q, saved_x).to(ctx.weight_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the quantizers `weight` carries."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight {list(weight.shape)} expects {weight.shape[-1]}.")
+    grad_enabled = torch.is_grad_enabled()
+    with torch._C.DisableTorchFunctionSubclass():
+        return QuantizedLinearFunction.apply(
+            x,
+            weight,
+            bias,
+            weight.linear_quantizers,
+            grad_enabled and x.requires_grad,
+            grad_enabled and weight.requires_grad,
+        )
+
+
+# ---- torch-function entry points ---------------------------------------------------------------
+_TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.transpose, torch.transpose}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_ADDMMS = {torch.addmm, torch.Tensor.addmm}
+
+
+def _linear_args(args, kwargs):
+    names = ("input", "weight", "bias")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound["input"], bound["weight"], bound.get("bias")
+
+
+def intercept(func, args, kwargs):
+    """Route the calls that mean "this layer's linear" to `quantized_linear`; NotImplemented otherwise."""
+    if func is F.linear:
+        x, weight, bias = _linear_args(args, kwargs)
+        if carries_quantizers(weight):
+            return quantized_linear(x, weight, bias)
+    elif func in _TRANSPOSES:
+        if carries_quantizers(args[0]) and args[0].dim() == 2:
+            with torch._C.DisableTorchFunctionSubclass():
+                values = func(*args, **kwargs)
+            return TransposedWeight.of(values, args[0])
+    elif func in _MATMULS:
+        if len(args) == 2 and not kwargs and isinstance(args[1], TransposedWeight):
+            return quantized_linear(args[0], args[1].weight)
+    elif func in _ADDMMS:
+        bias, x, transposed = args[:3]
+        plain_scaling = len(args) == 3 and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+        if isinstance(transposed, TransposedWeight) and plain_scaling and bias.dim() == 1:
+            return quantized_linear(x, transposed.weight, bias)
+    return NotImplemented
+
+
+class TransposedWeight(torch.Tensor):
+    """`weight.t()` of a quantized layer: the plain (dequantized) values, attached to autograd as
+    usual, that remember their weight so `x @ weight.t()` and `torch.addmm(b, x, weight.t())` run
+    the layer's quantized linear. Any other op sees the plain values and returns plain tensors."""
+
+    weight: torch.Tensor
+
+    @staticmethod
+    def of(values: torch.Tensor, weight: torch.Tensor) -> "TransposedWeight":
+        transposed = values.as_subclass(TransposedWeight)
+        transposed.weight = weight
+        return transposed
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = intercept(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class DynamicWeight(torch.Tensor):
+    """A high-precision weight (the same storage, any optimizer trains it) that quantizes itself with
+    its layer's weight quantizer each time F.linear uses it, so new values are always picked up."""
+
+    linear_quantizers: LinearQuantizers
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, linear_quantizers: LinearQuantizers, requires_grad: bool | None = None):
+        requires_grad = data.requires_grad if requires_grad is None else requires_grad
+        self = torch.Tensor._make_subclass(cls, data.detach(), requires_grad)
+        self.linear_quantizers = linear_quantizers
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def plain(self) -> torch.Tensor:
+        """The high-precision values as a plain tensor (an alias)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+    def __reduce_ex__(self, protocol):
+        # Checkpoints hold plain tensors: loadable with weights_only=True, and load_state_dict
+        # copies them into this weight.
+        return self.plain().detach().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        duplicate = DynamicWeight(copy.deepcopy(self.plain().detach(), memo), self.linear_quantizers, self.requires_grad)
+        duplicate.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return duplicate
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"DynamicWeight({self.plain()!r}, linear_quantizers={self.linear_quantizers.describe()})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = intercept(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func in (torch.Tensor.detach, torch.Tensor.clone) and isinstance(args[0], DynamicWeight):
+            # nn.Parameter and state_dict go through detach: the weight must stay a DynamicWeight.
+            out = out.as_subclass(DynamicWeight)
+            out.linear_quantizers = args[0].linear_quantizers
+        return out

@@ -1,0 +1,82 @@
+"""MasterWeights: train quantized parameters through high-precision master copies."""
+
+from __future__ import annotations
+
+import torch
+
+from .tensor import QuantizedTensor
+
+
+class MasterWeights:
+    """Wraps a torch optimizer built over a model's parameters.
+
+    For each parameter that is a QuantizedTensor, a master copy in `master_dtype` takes its place in
+    the wrapped optimizer. `step()` hands the parameters' gradients to the masters, steps, and writes
+    the masters back into the quantized parameters with `copy_` (a requantization). Plain parameters
+    pass through untouched.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_dtype: torch.dtype = torch.float32):
+        self.optimizer = optimizer
+        self.master_dtype = master_dtype
+        self.pairs: list[tuple[QuantizedTensor, torch.Tensor]] = []
+        for group in optimizer.param_groups:
+            for index, param in enumerate(group["params"]):
+                if isinstance(param, QuantizedTensor):
+                    master = param.dequantize(master_dtype).detach().requires_grad_(param.requires_grad)
+                    group["params"][index] = master
+                    self.pairs.append((param, master))
+        if any(self.optimizer.state.values()):
+            raise ValueError("MasterWeights must wrap an optimizer that has not stepped yet.")
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def masters(self) -> list[torch.Tensor]:
+        return [master for _, master in self.pairs]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for param, master in self.pairs:
+            master.grad = None if param.grad is None else param.grad.to(self.master_dtype)
+        loss = self.optimizer.step(closure)
+        self.write_back()
+        return loss
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Requantize every master into its quantized parameter."""
+        for param, master in self.pairs:
+            param.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for param, _ in self.pairs:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [master.detach().clone() for master in self.masters()],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        masters = state_dict["masters"]
+        if len(masters) != len(self.pairs):
+            raise ValueError(f"MasterWeights state holds {len(masters)} masters; this optimizer has {len(self.pairs)}.")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        with torch.no_grad():
+            for (_, master), saved in zip(self.pairs, masters):
+                master.copy_(saved)
+        self.write_back()
+
+    def __repr__(self) -> str:
+        return f"MasterWeights({self.optimizer!r}, master_dtype={self.master_dtype}, masters={len(self.pairs)})"

@@ -1,0 +1,115 @@
+"""quantize_ / dequantize_: give a stock model's nn.Linear layers their quantizers (API.md "Model entry point")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .linear import DynamicWeight, LinearQuantizers, carries_quantizers
+from .recipe import Recipe
+from .tensor import QuantizedTensor
+
+WEIGHT_MODES = ("dynamic", "quantized")
+
+
+@dataclass
+class QuantizeReport:
+    """What quantize_ did: `quantized` (fqn → description) and `skipped` (fqn → reason)."""
+
+    quantized: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        rows = [(name, "quantized", text) for name, text in self.quantized.items()]
+        rows += [(name, "skipped", text) for name, text in self.skipped.items()]
+        width = max([len("layer")] + [len(name) for name, _, _ in rows])
+        lines = [f"{'layer':<{width}}  {'status':<9}  details"]
+        lines += [f"{name:<{width}}  {status:<9}  {text}" for name, status, text in rows]
+        lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
+        return "\n".join(lines)
+
+
+def quantize_(
+    model: nn.Module,
+    recipe_or_factory: Recipe | Callable,
+    *,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    weights: str = "dynamic",
+    strict: bool = False,
+) -> QuantizeReport:
+    """Give every selected nn.Linear of `model` its quantizers, in place; the modules stay the same objects.
+
+    `weights="dynamic"` keeps high-precision parameters, quantized at use; `weights="quantized"` makes
+    each parameter the quantized tensor (train it through `qtensor.optim.MasterWeights`). A layer whose
+    shapes a chosen quantizer cannot take is skipped and reported, or with `strict=True` nothing is
+    changed and a ValueError names every such layer.
+    """
+    recipe = recipe_or_factory if isinstance(recipe_or_factory, Recipe) else Recipe(recipe_or_factory)
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"quantize_: weights must be 'dynamic' or 'quantized', got {weights!r}.")
+    report = QuantizeReport()
+    plan: list[tuple[nn.Linear, LinearQuantizers]] = []
+    unsupported: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or (filter_fn is not None and not filter_fn(module, name)):
+            continue
+        if carries_quantizers(module.weight):
+            raise ValueError(f"quantize_: layer {name!r} is already quantized. Call qtensor.dequantize_(model) first.")
+        quantizers = recipe.quantizers_for("linear", name)
+        if all(q is None for q in quantizers.values()):
+            report.skipped[name] = "the factory keeps every tensor in high precision"
+            continue
+        reason = _unsupported_reason(module, quantizers)
+        if reason is not None:
+            unsupported[name] = reason
+            continue
+        plan.append((module, LinearQuantizers(**quantizers, backward_override=recipe.backward_override, name=name)))
+    if strict and unsupported:
+        details = "; ".join(f"{name}: {reason}" for name, reason in unsupported.items())
+        raise ValueError(f"quantize_(strict=True): {len(unsupported)} layer(s) cannot take the chosen formats: {details}")
+    report.skipped.update(unsupported)
+    for module, linear in plan:
+        _install(module, linear, weights)
+        report.quantized[linear.name] = f"{linear.describe()}; weights={weights}"
+    return report
+
+
+def _unsupported_reason(module: nn.Linear, quantizers: dict) -> str | None:
+    shapes = {
+        "input": torch.Size([1, module.in_features]),
+        "weight": module.weight.shape,
+        "grad_output": torch.Size([1, module.out_features]),
+    }
+    for role, quantizer in quantizers.items():
+        if quantizer is not None:
+            reason = quantizer.unsupported_shape_reason(shapes[role], role)
+            if reason is not None:
+                return f"{role}: {reason}"
+    return None
+
+
+def _install(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
+    weight = module.weight
+    requires_grad = weight.requires_grad
+    if weights == "quantized" and linear.weight is not None:
+        # Both directions: fprop reads the rowwise copy, dgrad the columnwise one.
+        quantized = linear.weight.quantize(weight.detach(), rowwise=True, columnwise=True)
+        quantized.linear_quantizers = linear
+        module.weight = nn.Parameter(quantized, requires_grad=requires_grad)
+    else:
+        module.weight = nn.Parameter(DynamicWeight(weight.detach(), linear), requires_grad=requires_grad)
+
+
+def dequantize_(model: nn.Module) -> None:
+    """Turn every quantized nn.Linear of `model` back into plain high-precision parameters."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and carries_quantizers(module.weight):
+            weight = module.weight
+            if isinstance(weight, QuantizedTensor):
+                plain = weight.dequantize()
+            else:
+                plain = weight.plain().detach().clone()
+            module.weight = nn.Parameter(plain, requires_grad=weight.requires_grad)

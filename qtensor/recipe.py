@@ -1,0 +1,72 @@
+"""Roles and recipes: which quantizer each tensor of each layer gets (API.md "Roles and recipes")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .formats.float8 import Float8Quantizer
+from .formats.hybrid import HybridQuantizer
+from .linear import BACKWARD_OVERRIDES
+from .quantizer import Quantizer
+
+TENSOR_TYPES = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class Role:
+    """One tensor of one module: `Role("linear", "weight", "layers.0.mlp.up_proj")`."""
+
+    module_type: str
+    tensor_type: str
+    name: str
+
+
+Factory = Callable[[Role], "Quantizer | None"]
+
+
+class Recipe:
+    """A factory plus how the backward runs.
+
+    `backward_override=None` runs the backward GEMMs as the factory says; `"high_precision"` runs
+    them on the original input and weight and the unquantized gradient; `"dequantized"` on the
+    dequantized forward-quantized input and weight and the unquantized gradient.
+    """
+
+    def __init__(self, factory: Factory, backward_override: str | None = None):
+        if not callable(factory):
+            raise TypeError(f"Recipe needs a callable factory(role) -> Quantizer | None, got {factory!r}.")
+        if backward_override not in BACKWARD_OVERRIDES:
+            raise ValueError(f"Recipe: backward_override must be one of {BACKWARD_OVERRIDES}, got {backward_override!r}.")
+        self.factory = factory
+        self.backward_override = backward_override
+
+    def quantizers_for(self, module_type: str, name: str) -> dict[str, Quantizer | None]:
+        """Ask the factory for each tensor type of one module; check what it returns."""
+        chosen = {}
+        for tensor_type in TENSOR_TYPES:
+            quantizer = self.factory(Role(module_type, tensor_type, name))
+            if quantizer is not None and not isinstance(quantizer, Quantizer):
+                raise TypeError(
+                    f"The factory returned {quantizer!r} for {Role(module_type, tensor_type, name)}; "
+                    "it must return a qtensor quantizer or None."
+                )
+            chosen[tensor_type] = quantizer
+        if self.backward_override is not None:
+            delayed = [t for t, q in chosen.items() if q is not None and _uses_delayed_scaling(q)]
+            if delayed:
+                raise ValueError(
+                    f"Layer {name!r}: backward_override={self.backward_override!r} cannot be honoured with "
+                    f"delayed scaling ({', '.join(delayed)}): the override skips the quantized casts whose "
+                    "amaxes the history needs. Use Float8Quantizer(scaling='current') or no override."
+                )
+        return chosen
+
+    def __repr__(self) -> str:
+        return f"Recipe({self.factory!r}, backward_override={self.backward_override!r})"
+
+
+def _uses_delayed_scaling(quantizer: Quantizer) -> bool:
+    if isinstance(quantizer, HybridQuantizer):
+        return _uses_delayed_scaling(quantizer.rowwise) or _uses_delayed_scaling(quantizer.columnwise)
+    return isinstance(quantizer, Float8Quantizer) and quantizer.scaling == "delayed"
