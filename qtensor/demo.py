@@ -1,6 +1,202 @@
-"""qtensor's main job. For now: every format on one tensor (bytes per element and error)."""
+"""qtensor's main job: train one stock transformer language model under several recipes.
 
-from .formats_table import main
+    python -m qtensor.demo [--steps N] [--d-model D] [--layers L] [--device cpu|cuda]
+
+The model is built in code (nn.TransformerEncoder layers with a causal mask, an embedding and an
+output head) and learns to write sums ("37+45=82;") from a synthetic stream, so nothing is
+downloaded. Every run starts from the same weights and sees the same batches; the only difference
+is what qtensor.quantize_ does to the model's nn.Linear layers (the head stays in bf16). All runs,
+the baseline too, use bf16 autocast for the rest of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import recipes
+from .formats_table import print_formats_table
+from .linear import DynamicWeight
+from .optim import MasterWeights
+from .quantize import quantize_
+from .recipe import Recipe
+from .tensor import QuantizedTensor
+
+VOCABULARY = "0123456789+=;"
+
+
+def sums_stream(batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """`batch` token rows of `length + 1` characters cut from a stream of "a+b=c;" with a, b < 100."""
+    rows = []
+    for _ in range(batch):
+        text = ""
+        while len(text) < length + 1 + 10:
+            a, b = torch.randint(0, 100, (2,), generator=generator).tolist()
+            text += f"{a}+{b}={a + b};"
+        start = int(torch.randint(0, 10, (1,), generator=generator))
+        rows.append([VOCABULARY.index(c) for c in text[start : start + length + 1]])
+    return torch.tensor(rows)
+
+
+class TinyLM(nn.Module):
+    """A causal transformer LM from stock modules only."""
+
+    def __init__(self, vocabulary: int, d_model: int, layers: int, heads: int, length: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, d_model)
+        self.position = nn.Parameter(torch.randn(length, d_model) * 0.02)
+        block = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocabulary)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(length), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens) + self.position[: tokens.shape[1]]
+        hidden = self.blocks(hidden, mask=self.causal[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
+        return self.head(self.norm(hidden))
+
+
+@dataclass
+class Run:
+    name: str
+    recipe: Recipe | None
+    weights: str = "dynamic"
+
+
+def demo_runs() -> list[Run]:
+    def keep_head(factory):
+        # Roles carry the layer's name: keep the output head in high precision.
+        return lambda role: None if role.name == "head" else factory(role)
+
+    hybrid = keep_head(recipes.mxfp8_fwd_nvfp4_bwd())
+    return [
+        Run("bf16", None),
+        Run("float8_current", Recipe(keep_head(recipes.float8_current()))),
+        Run("float8_delayed", Recipe(keep_head(recipes.float8_delayed()))),
+        Run("mxfp8", Recipe(keep_head(recipes.mxfp8()))),
+        Run("mxfp8, quantized weights", Recipe(keep_head(recipes.mxfp8())), weights="quantized"),
+        Run("nvfp4", Recipe(keep_head(recipes.nvfp4()))),
+        Run("mxfp8_fwd_nvfp4_bwd", Recipe(hybrid)),
+        Run("  + high_precision bwd", Recipe(hybrid, backward_override="high_precision")),
+        Run("  + dequantized bwd", Recipe(hybrid, backward_override="dequantized")),
+    ]
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the nn.Linear weights as the GEMMs read them (both directions of quantized ones)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            weight = module.weight
+            if isinstance(weight, QuantizedTensor):
+                total += weight.storage_nbytes()
+            elif isinstance(weight, DynamicWeight) and weight.linear_quantizers.weight is not None:
+                quantized = weight.linear_quantizers.weight.quantize(weight.plain().detach())
+                total += quantized.storage_nbytes()
+            else:
+                total += weight.numel() * 2  # bf16 under autocast
+    return total
+
+
+class ProgressBar:
+    def __init__(self, total: int, label: str, width: int = 30):
+        self.total, self.label, self.width = total, label, width
+        self.interactive = sys.stderr.isatty()
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.interactive and step not in (1, self.total):
+            return
+        filled = self.width * step // self.total
+        end = "\n" if step == self.total or not self.interactive else ""
+        print(
+            f"\r{self.label:<26} [{'#' * filled}{'.' * (self.width - filled)}] {step}/{self.total} loss {loss:.3f}",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def train(run: Run, base: nn.Module, args, device: torch.device) -> dict:
+    model = copy.deepcopy(base).to(device)
+    if run.recipe is not None:
+        quantize_(model, run.recipe, weights=run.weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if run.weights == "quantized":
+        optimizer = MasterWeights(optimizer)
+    generator = torch.Generator().manual_seed(args.seed)
+    bar = ProgressBar(args.steps, run.name)
+    losses, times = [], []
+    for step in range(1, args.steps + 1):
+        tokens = sums_stream(args.batch, args.length, generator).to(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        bar.update(step, losses[-1])
+    tail = max(1, args.steps // 10)
+    return {
+        "final_loss": sum(losses[-tail:]) / tail,
+        "weight_bytes": linear_weight_bytes(model),
+        "step_ms": 1000 * sorted(times[1:] or times)[len(times[1:] or times) // 2],
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per recipe (default 120)")
+    parser.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--length", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", nargs="*", help="run only the recipes whose names contain one of these")
+    parser.add_argument("--formats", action="store_true", help="print the per-format error table and exit")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.formats:
+        print_formats_table(device=args.device)
+        return
+
+    torch.manual_seed(args.seed)
+    base = TinyLM(len(VOCABULARY), args.d_model, args.layers, args.heads, args.length)
+    runs = [r for r in demo_runs() if not args.only or r.name == "bf16" or any(o in r.name for o in args.only)]
+    print(
+        f"TinyLM d_model={args.d_model} layers={args.layers} on {device}: {args.steps} steps of "
+        f"{args.batch}x{args.length} tokens per recipe (uniform guess: loss {math.log(len(VOCABULARY)):.3f})",
+        file=sys.stderr,
+    )
+    results = {run.name: train(run, base, args, device) for run in runs}
+
+    baseline = results["bf16"]["final_loss"]
+    print(f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'weight KiB':>12}{'step ms':>10}")
+    for name, result in results.items():
+        gap = result["final_loss"] - baseline
+        print(
+            f"{name:<26}{result['final_loss']:>11.4f}{gap:>+13.4f}"
+            f"{result['weight_bytes'] / 1024:>12.1f}{result['step_ms']:>10.1f}"
+        )
+    print(f"(final loss: mean of the last {max(1, args.steps // 10)} steps; weight KiB: nn.Linear weights as the GEMMs read them)")
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ weight, and `x @ weight.t()` / `torch.addmm(bias, x, weight.t())`, run `Quantize
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -188,12 +189,33 @@ def intercept(func, args, kwargs):
     elif func in _MATMULS:
         if len(args) == 2 and not kwargs and isinstance(args[1], TransposedWeight):
             return quantized_linear(args[0], args[1].weight)
+    elif func is F.multi_head_attention_forward:
+        return _attention_with_quantized_out_proj(args, kwargs)
     elif func in _ADDMMS:
         bias, x, transposed = args[:3]
         plain_scaling = len(args) == 3 and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
         if isinstance(transposed, TransposedWeight) and plain_scaling and bias.dim() == 1:
             return quantized_linear(x, transposed.weight, bias)
     return NotImplemented
+
+
+_ATTENTION_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+def _attention_with_quantized_out_proj(args, kwargs):
+    """nn.MultiheadAttention passes its out_proj weight to F.multi_head_attention_forward, whose body
+    calls F.linear out of reach of this subclass. Run the body with an identity projection (exact:
+    one product by 1 per output) and apply the quantized out_proj to its result."""
+    bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
+    weight, bias = bound.arguments["out_proj_weight"], bound.arguments.get("out_proj_bias")
+    if not carries_quantizers(weight):
+        return NotImplemented
+    query = bound.arguments["query"]
+    bound.arguments["out_proj_weight"] = torch.eye(weight.shape[1], dtype=query.dtype, device=query.device)
+    bound.arguments["out_proj_bias"] = None
+    with torch._C.DisableTorchFunctionSubclass():
+        attention, attention_weights = F.multi_head_attention_forward(*bound.args, **bound.kwargs)
+    return quantized_linear(attention, weight, bias), attention_weights
 
 
 class TransposedWeight(torch.Tensor):

@@ -46,8 +46,10 @@ def e2m1_codes_nearest(v: torch.Tensor) -> torch.Tensor:
 def e2m1_codes_stochastic(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """E2M1 codes rounding |v| up to the next grid value with probability equal to the distance."""
     grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
-    magnitude = v.abs().clamp(max=E2M1_MAX).contiguous()
-    lower = (torch.bucketize(magnitude, grid, right=True) - 1).clamp(0, 7)
+    magnitude = v.abs().clamp(max=E2M1_MAX)
+    lower = torch.zeros(v.shape, dtype=torch.long, device=v.device)
+    for value in E2M1_GRID[1:]:
+        lower += magnitude >= value
     upper = (lower + 1).clamp(max=7)
     gap = grid[upper] - grid[lower]
     probability_up = torch.where(gap > 0, (magnitude - grid[lower]) / gap, 0.0)
