@@ -1,0 +1,22 @@
+"""The main job runs end to end and prints its table."""
+
+from qtensor import demo
+
+
+def test_demo_trains_every_recipe_and_prints_the_table(capsys):
+    demo.main(["--steps", "4", "--d-model", "32", "--layers", "1", "--batch", "4", "--length", "32"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("recipe"))
+    for column in ("final loss", "gap to bf16", "weight KiB", "step ms"):
+        assert column in header
+    names = [run.name for run in demo.demo_runs()]
+    assert "mxfp8_fwd_nvfp4_bwd" in names and any("high_precision" in n for n in names) and any("dequantized" in n for n in names)
+    for name in names:
+        assert any(line.startswith(name) for line in out.splitlines()), name
+
+
+def test_formats_table_lists_every_format(capsys):
+    demo.main(["--formats"])
+    out = capsys.readouterr().out
+    for name in ("float8", "mxfp8", "nvfp4", "identity", "hybrid"):
+        assert name in out

@@ -1,0 +1,221 @@
+"""quantize_, dequantize_, Role, Recipe and the ready recipes (API.md "Roles and recipes", "Model entry point")."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import qtensor
+from qtensor import Float8Quantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = nn.Linear(32, 64)
+        self.down_proj = nn.Linear(64, 32, bias=False)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x):
+        return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.lm_head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+LINEARS = ["layers.0.up_proj", "layers.0.down_proj", "layers.1.up_proj", "layers.1.down_proj", "lm_head"]
+
+
+def test_factory_sees_every_linear_role_with_its_fully_qualified_name():
+    seen = []
+
+    def factory(role):
+        seen.append(role)
+        return MXFP8Quantizer()
+
+    model = Model()
+    report = qtensor.quantize_(model, factory)
+    assert {(r.module_type, r.name) for r in seen} == {("linear", name) for name in LINEARS}
+    assert sorted(r.tensor_type for r in seen if r.name == "lm_head") == ["grad_output", "input", "weight"]
+    assert list(report.quantized) == LINEARS and report.skipped == {}
+    assert qtensor.Role("linear", "weight", "lm_head") in seen
+    with pytest.raises(AttributeError):
+        seen[0].name = "other"  # frozen
+
+
+def test_modules_stay_the_same_objects_with_their_own_forward():
+    model = Model()
+    before = dict(model.named_modules())
+    qtensor.quantize_(model, qtensor.recipes.mxfp8())
+    after = dict(model.named_modules())
+    assert all(before[name] is after[name] for name in before)
+    assert all(type(after[name]) is nn.Linear and "forward" not in vars(after[name]) for name in LINEARS)
+
+
+def test_factory_can_keep_a_layer_in_high_precision_by_name():
+    base = qtensor.recipes.mxfp8()
+    model = Model()
+    report = qtensor.quantize_(model, lambda role: None if role.name == "lm_head" else base(role))
+    assert "lm_head" in report.skipped and "high precision" in report.skipped["lm_head"]
+    assert type(model.lm_head.weight) is nn.Parameter
+    assert isinstance(model.layers[0].up_proj.weight, qtensor.DynamicWeight)
+    text = str(report)
+    assert "lm_head" in text and "skipped" in text and "4 quantized, 1 skipped" in text
+
+
+def test_filter_fn_selects_layers():
+    model = Model()
+    report = qtensor.quantize_(model, qtensor.recipes.mxfp8(), filter_fn=lambda module, name: name.endswith("up_proj"))
+    assert list(report.quantized) == ["layers.0.up_proj", "layers.1.up_proj"]
+    assert type(model.layers[0].down_proj.weight) is nn.Parameter
+
+
+def test_linear_subclasses_are_included():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(MyLinear(16, 16))
+    assert list(qtensor.quantize_(model, qtensor.recipes.mxfp8()).quantized) == ["0"]
+
+
+def test_weights_modes_give_the_documented_parameters():
+    dynamic, quantized = Model(), Model()
+    quantized.load_state_dict(dynamic.state_dict())
+    qtensor.quantize_(dynamic, qtensor.recipes.mxfp8(), weights="dynamic")
+    qtensor.quantize_(quantized, qtensor.recipes.mxfp8(), weights="quantized")
+    dynamic_weight, quantized_weight = dynamic.layers[0].up_proj.weight, quantized.layers[0].up_proj.weight
+    assert isinstance(dynamic_weight, nn.Parameter) and isinstance(quantized_weight, nn.Parameter)
+    assert isinstance(dynamic_weight, qtensor.DynamicWeight) and not isinstance(dynamic_weight, qtensor.QuantizedTensor)
+    assert isinstance(quantized_weight, qtensor.MXFP8Tensor)
+    assert quantized_weight.has_rowwise and quantized_weight.has_columnwise
+    x = torch.randn(3, 32)
+    assert torch.equal(dynamic(x), quantized(x))
+
+
+def test_quantizing_twice_raises_and_dequantize_restores_plain_parameters():
+    model = Model()
+    reference = copy.deepcopy(model)
+    qtensor.quantize_(model, qtensor.recipes.mxfp8())
+    with pytest.raises(ValueError, match="already quantized"):
+        qtensor.quantize_(model, qtensor.recipes.nvfp4())
+    qtensor.dequantize_(model)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    x = torch.randn(3, 32)
+    assert torch.equal(model(x), reference(x))
+    qtensor.quantize_(model, qtensor.recipes.nvfp4())  # allowed again
+
+
+def test_dequantize_of_quantized_weights_keeps_their_quantized_values():
+    model = Model()
+    qtensor.quantize_(model, qtensor.recipes.nvfp4(), weights="quantized")
+    values = model.lm_head.weight.dequantize()
+    qtensor.dequantize_(model)
+    assert type(model.lm_head.weight) is nn.Parameter and torch.equal(model.lm_head.weight.detach(), values)
+
+
+class RowsOf64Only(MXFP8Quantizer):
+    """A quantizer whose (hypothetical) kernel needs in_features % 64 == 0."""
+
+    def unsupported_shape_reason(self, shape, role):
+        if role != "grad_output" and shape[-1] % 64:
+            return f"last dimension {shape[-1]} is not a multiple of 64"
+        return None
+
+
+def test_layers_a_format_cannot_take_are_skipped_with_the_reason():
+    model = Model()
+    report = qtensor.quantize_(model, lambda role: RowsOf64Only())
+    assert list(report.quantized) == ["layers.0.down_proj", "layers.1.down_proj"]
+    assert report.skipped["lm_head"] == "input: last dimension 32 is not a multiple of 64"
+
+
+def test_strict_raises_naming_every_unsupported_layer_and_changes_nothing():
+    model = Model()
+    with pytest.raises(ValueError) as error:
+        qtensor.quantize_(model, lambda role: RowsOf64Only(), strict=True)
+    for name in ("layers.0.up_proj", "layers.1.up_proj", "lm_head"):
+        assert name in str(error.value)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+def test_override_with_delayed_scaling_is_refused_at_quantize_time():
+    for override in ("high_precision", "dequantized"):
+        with pytest.raises(ValueError, match="delayed scaling"):
+            qtensor.quantize_(Model(), qtensor.Recipe(qtensor.recipes.float8_delayed(), backward_override=override))
+    hybrid_with_delayed = lambda role: HybridQuantizer(Float8Quantizer(scaling="delayed"), NVFP4Quantizer())  # noqa: E731
+    with pytest.raises(ValueError, match="delayed scaling"):
+        qtensor.quantize_(Model(), qtensor.Recipe(hybrid_with_delayed, backward_override="dequantized"))
+
+
+def test_bad_arguments_get_clear_errors():
+    with pytest.raises(ValueError, match="backward_override"):
+        qtensor.Recipe(qtensor.recipes.mxfp8(), backward_override="fp64")
+    with pytest.raises(ValueError, match="weights must be"):
+        qtensor.quantize_(Model(), qtensor.recipes.mxfp8(), weights="static")
+    with pytest.raises(TypeError, match="must return a qtensor quantizer or None"):
+        qtensor.quantize_(Model(), lambda role: "mxfp8")
+    with pytest.raises(TypeError, match="callable"):
+        qtensor.Recipe("mxfp8")
+
+
+def test_ready_recipes_pick_the_documented_quantizers():
+    def chosen(recipe, tensor_type):
+        return recipe(qtensor.Role("linear", tensor_type, "x"))
+
+    float8 = qtensor.recipes.float8_current()
+    assert chosen(float8, "input").fp8_dtype == torch.float8_e4m3fn and chosen(float8, "input").scaling == "current"
+    assert chosen(float8, "grad_output").fp8_dtype == torch.float8_e5m2
+    assert chosen(qtensor.recipes.float8_delayed(), "weight").scaling == "delayed"
+    assert isinstance(chosen(qtensor.recipes.mxfp8(), "grad_output"), MXFP8Quantizer)
+    nvfp4 = qtensor.recipes.nvfp4()
+    assert chosen(nvfp4, "weight").block_2d and chosen(nvfp4, "input").rht
+    assert chosen(nvfp4, "grad_output").stochastic_rounding
+    hybrid = qtensor.recipes.mxfp8_fwd_nvfp4_bwd()
+    for tensor_type in ("input", "weight"):
+        quantizer = chosen(hybrid, tensor_type)
+        assert isinstance(quantizer.rowwise, MXFP8Quantizer) and isinstance(quantizer.columnwise, NVFP4Quantizer)
+    assert isinstance(chosen(hybrid, "grad_output"), NVFP4Quantizer)
+    assert hybrid(qtensor.Role("embedding", "weight", "embed")) is None
+    # every layer gets its own quantizers (delayed scaling keeps per-layer state)
+    delayed = qtensor.recipes.float8_delayed()
+    assert chosen(delayed, "input") is not chosen(delayed, "input")
+
+
+def test_state_dict_of_a_dynamic_model_holds_plain_tensors_and_loads_back():
+    model = Model()
+    qtensor.quantize_(model, qtensor.recipes.mxfp8())
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert all(type(t) is torch.Tensor for t in state.values())
+    fresh = Model()
+    qtensor.quantize_(fresh, qtensor.recipes.mxfp8())
+    fresh.load_state_dict(state)
+    x = torch.randn(3, 32)
+    assert torch.equal(fresh(x), model(x))
+    assert isinstance(fresh.lm_head.weight, qtensor.DynamicWeight)
+
+
+def test_deepcopy_and_dtype_moves_keep_quantized_layers():
+    for weights in ("dynamic", "quantized"):
+        model = Model()
+        qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights=weights)
+        duplicate = copy.deepcopy(model)
+        x = torch.randn(3, 32)
+        assert torch.equal(duplicate(x), model(x))
+        assert duplicate.lm_head.weight.linear_quantizers is not model.lm_head.weight.linear_quantizers
+        model.to(torch.bfloat16)
+        assert model.lm_head.weight.linear_quantizers is not None
+        assert model(x.bfloat16()).dtype == torch.bfloat16
