@@ -30,7 +30,8 @@ class Quantizer:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if cls.format_name:
+        # Only a class that names its own format is registered: a user subclass never shadows it.
+        if "format_name" in cls.__dict__:
             QUANTIZER_CLASSES[cls.format_name] = cls
 
     # ---- public -------------------------------------------------------------------------------

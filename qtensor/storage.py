@@ -28,7 +28,8 @@ class Storage:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if cls.format_name:
+        # Only a class that names its own format is registered: a user subclass never shadows it.
+        if "format_name" in cls.__dict__:
             STORAGE_CLASSES[cls.format_name] = cls
 
     def __init__(self, **fields):

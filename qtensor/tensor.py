@@ -39,7 +39,8 @@ class QuantizedTensor(torch.Tensor):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._ops = {}
-        TENSOR_CLASSES[cls.__name__] = cls
+        if cls.__module__.startswith("qtensor."):  # files name only qtensor's own classes
+            TENSOR_CLASSES[cls.__name__] = cls
 
     @staticmethod
     def __new__(cls, shape, dtype, rowwise, columnwise, quantizer, requires_grad=False):

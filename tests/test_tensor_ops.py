@@ -431,3 +431,18 @@ def test_quantizing_into_a_slice_of_a_per_tensor_scaled_tensor_is_refused(fmt_na
     piece = whole[32:].clone()
     piece.copy_(sample(32, 48, seed=5))
     assert_same_values(whole.dequantize(), before)
+
+
+def test_user_subclasses_do_not_shadow_the_formats_a_file_names():
+    class MyMXFP8(qtensor.MXFP8Quantizer):
+        pass
+
+    class MyTensor(qtensor.MXFP8Tensor):
+        pass
+
+    q = qtensor.MXFP8Quantizer().quantize(sample(8, 32))
+    buffer = io.BytesIO()
+    torch.save(q, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert type(loaded) is qtensor.MXFP8Tensor and type(loaded.quantizer) is qtensor.MXFP8Quantizer
