@@ -97,26 +97,31 @@ def dequantize_row_blocks(packed, block_scale, s_enc, columns) -> torch.Tensor:
     return scaled * (fp32(1.0, packed.device) / s_enc)
 
 
-def hadamard_matrix(device=None) -> torch.Tensor:
-    """H = diag(signs) · H16 / 4: orthogonal, entries ±1/4 (exact in fp32)."""
-    index = torch.arange(16)
-    parity = torch.zeros(16, 16, dtype=torch.int64)
-    for bit in range(4):
-        parity ^= ((index[:, None] & index[None, :]) >> bit) & 1
-    sylvester = 1.0 - 2.0 * parity.float()
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
-    return (signs[:, None] * sylvester / 4.0).to(device)
+def hadamard16(runs: torch.Tensor) -> torch.Tensor:
+    """H16 @ v for every run v of 16 along the last dim (Sylvester order), by the fast Walsh-Hadamard
+    butterfly: a fixed order of fp32 additions, so every device gives the same bits."""
+    shape = runs.shape
+    for half in (1, 2, 4, 8):
+        pairs = runs.reshape(*shape[:-1], BLOCK_SIZE // (2 * half), 2, half)
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        runs = torch.stack((first + second, first - second), dim=-2)
+    return runs.reshape(shape)
 
 
 def apply_rht(x_t: torch.Tensor) -> torch.Tensor:
-    """Each run of 16 entries along the rows of `x_t` [K, Mp] (Mp a multiple of 16) becomes H @ run."""
+    """Each run of 16 entries along the rows of `x_t` [K, Mp] (Mp a multiple of 16) becomes H @ run,
+    H = diag(signs) · H16 / 4 (orthogonal; the scalings are exact)."""
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x_t.device)
     runs = x_t.reshape(x_t.shape[0], x_t.shape[1] // BLOCK_SIZE, BLOCK_SIZE)
-    return (runs @ hadamard_matrix(x_t.device).t()).reshape(x_t.shape)
+    # "+ 0.0" turns -0 into +0: a sum that cancels to zero has no sign, whatever order made it.
+    return (hadamard16(runs) * 0.25 * signs + 0.0).reshape(x_t.shape)
 
 
 def undo_rht(y_t: torch.Tensor) -> torch.Tensor:
+    """Inverse of apply_rht: Hᵀ @ run = H16 @ (signs * run) / 4 (H16 is symmetric)."""
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=y_t.device)
     runs = y_t.reshape(y_t.shape[0], y_t.shape[1] // BLOCK_SIZE, BLOCK_SIZE)
-    return (runs @ hadamard_matrix(y_t.device)).reshape(y_t.shape)
+    return (hadamard16(runs * signs) * 0.25).reshape(y_t.shape)
 
 
 def tile_amax(x: torch.Tensor) -> torch.Tensor:
