@@ -27,10 +27,26 @@ def check_choice(value, allowed: tuple, option: str, owner: str) -> None:
         raise ValueError(f"{owner}: {option} must be one of {allowed}, got {value!r}.")
 
 
+# One NaN code per FP8 format (0 1111 111 in E4M3, 0 11111 11 in E5M2): devices disagree on the sign
+# and payload of a cast NaN, and stored bytes must not depend on the device that wrote them.
+FP8_NAN_CODE = 0x7F
+
+
+def to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 to FP8 (nearest even) with one canonical NaN code; values must already be in range."""
+    codes = x.to(fp8_dtype).view(torch.uint8)
+    return torch.where(torch.isnan(x), FP8_NAN_CODE, codes).view(fp8_dtype)
+
+
+def saturate(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Clamp to ±max of the FP8 format; NaN stays NaN, ±Inf becomes ±max."""
+    limit = fp8_max(fp8_dtype)
+    return x.clamp(-limit, limit)
+
+
 def to_fp8_saturating(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Round fp32 to FP8 (nearest even), clamping to ±max first. NaN stays NaN; ±Inf clamps."""
-    limit = fp8_max(fp8_dtype)
-    return x.clamp(-limit, limit).to(fp8_dtype)
+    return to_fp8(saturate(x, fp8_dtype), fp8_dtype)
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:

@@ -446,3 +446,14 @@ def test_user_subclasses_do_not_shadow_the_formats_a_file_names():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     assert type(loaded) is qtensor.MXFP8Tensor and type(loaded.quantizer) is qtensor.MXFP8Quantizer
+
+
+@pytest.mark.parametrize("fmt_name", ["float8", "mxfp8"])
+def test_nan_elements_are_stored_as_one_canonical_code(fmt_name):
+    x = torch.ones(4, 32)
+    x[0, 0] = float("nan")
+    x[1, 1] = -float("nan")
+    x = x.to(torch.bfloat16)
+    q = FORMATS[fmt_name]().quantize(x, columnwise=False)
+    codes = q.rowwise.data.view(torch.uint8)
+    assert codes[0, 0] == 0x7F and codes[1, 1] == 0x7F

@@ -9,8 +9,9 @@ from ..numerics import (
     fp32,
     fp8_max,
     round_down_pow2,
+    saturate,
     scale_from_amax,
-    to_fp8_saturating,
+    to_fp8,
 )
 from ..quantizer import Quantizer
 from ..storage import Storage
@@ -20,9 +21,8 @@ from ..tensor import QuantizedTensor
 # ---- numerics ------------------------------------------------------------------------------------
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """`fp8(x * scale)`, saturating; NaN stays NaN, ±Inf becomes NaN (E4M3) or stays ±Inf (E5M2)."""
-    scaled = to_fp8_saturating(x * scale, fp8_dtype).float()
     infinity_becomes = x if fp8_dtype == torch.float8_e5m2 else torch.full_like(x, float("nan"))
-    return torch.where(torch.isinf(x), infinity_becomes, scaled).to(fp8_dtype)
+    return to_fp8(torch.where(torch.isinf(x), infinity_becomes, saturate(x * scale, fp8_dtype)), fp8_dtype)
 
 
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ from ..storage import Storage
 from ..tensor import QuantizedTensor
 
 BLOCK_SIZE = 16
-E4M3_NAN = 0x7F
 E2M1_MAX = 6.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; bit 3 is the sign
 # Round-to-nearest-even on the grid: a magnitude above each bound moves up one code. Ties sit on
@@ -80,9 +79,9 @@ def quantize_row_blocks(x, s_enc, amax_per_block, generator=None, stochastic=Fal
 
     Returns (packed E2M1 bytes [R, ceil(C/2)], E4M3 block scales [R, ceil(C/16)]).
     """
-    finite = torch.isfinite(amax_per_block)
-    block_scale = to_fp8_saturating(amax_per_block * (s_enc * fp32(1.0 / 6.0, x.device)), torch.float8_e4m3fn)
-    block_scale = torch.where(finite, block_scale.view(torch.uint8), E4M3_NAN).view(torch.float8_e4m3fn)
+    # A block holding NaN or Inf gets the NaN scale (DESIGN.md §2), so it dequantizes to NaN.
+    wanted = torch.where(torch.isfinite(amax_per_block), amax_per_block * (s_enc * fp32(1.0 / 6.0, x.device)), float("nan"))
+    block_scale = to_fp8_saturating(wanted, torch.float8_e4m3fn)
     decode = block_scale.float() * (fp32(1.0, x.device) / s_enc)
     encode = (fp32(1.0, x.device) / decode).clamp(max=FLT_MAX)
     scaled = x * expand_blocks(encode, BLOCK_SIZE, x.shape[1])

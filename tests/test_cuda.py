@@ -1,0 +1,147 @@
+"""The same numerics on a CUDA GPU: every format quantizes bit for bit as on the CPU (which the oracle
+tests pin to DESIGN.md §2), and a quantized nn.Linear on the GPU matches the oracle reference.
+
+Skipped without a GPU; run on the device machine (see benchmarks/README.md).
+"""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import qtensor
+from qtensor import Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+QUANTIZERS = {
+    "float8_e4m3": lambda: Float8Quantizer(),
+    "float8_e5m2_pow2": lambda: Float8Quantizer(torch.float8_e5m2, force_pow_2_scales=True),
+    "mxfp8_rceil": lambda: MXFP8Quantizer(),
+    "mxfp8_floor_e5m2": lambda: MXFP8Quantizer(torch.float8_e5m2, scale_rounding="floor"),
+    "nvfp4": lambda: NVFP4Quantizer(),
+    "nvfp4_rht": lambda: NVFP4Quantizer(rht=True),
+    "nvfp4_2d": lambda: NVFP4Quantizer(block_2d=True),
+    "identity_bf16": lambda: IdentityQuantizer(torch.bfloat16),
+    "hybrid": lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True), columnwise_source="rowwise_dequantized"),
+}
+
+
+def hard_input(rows, cols, dtype, seed=0):
+    """Block-varying magnitudes, exact ties, zeros, subnormal-range and huge values, NaN and ±Inf."""
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-30, 30, (rows // 8 + 1, cols // 8 + 1), generator=generator).float())
+    x = torch.randn(rows, cols, generator=generator) * scale.repeat_interleave(8, 0)[:rows].repeat_interleave(8, 1)[:, :cols]
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 1.0625] * 2) * 2.0 ** torch.arange(16).float()
+    x[1, :40] = 0.0
+    x[2, 3] = float("nan")
+    x[3, 50] = float("inf")
+    x[4, 7] = float("-inf")
+    x[5, :] *= 1e-30
+    x[6, 0] = 3.0e38 if dtype != torch.float16 else 6.0e4
+    return x.to(dtype)
+
+
+def buffers_of(q):
+    """Every buffer as comparable CPU values: raw bytes for codes; for a high-precision buffer
+    (identity) the values with NaN replaced, since devices write different NaN payloads."""
+    buffers = {}
+    for direction in ("rowwise", "columnwise"):
+        if getattr(q, direction) is not None:
+            for name, buffer in getattr(q, direction).buffers.items():
+                buffer = buffer.reshape(-1).cpu()
+                if buffer.dtype in (torch.float32, torch.bfloat16, torch.float16) and buffer.numel() > 1:
+                    buffer = torch.cat([torch.isnan(buffer).view(torch.uint8), buffer.nan_to_num(0.5).view(torch.uint8)])
+                buffers[f"{direction}.{name}"] = buffer.view(torch.uint8)
+    return buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_quantize_on_cuda_is_bitwise_the_cpu_result(name, dtype):
+    x = hard_input(96, 80, dtype)
+    on_cpu = QUANTIZERS[name]().quantize(x)
+    on_gpu = QUANTIZERS[name]().quantize(x.cuda())
+    assert on_gpu.device.type == "cuda"
+    cpu_buffers, gpu_buffers = buffers_of(on_cpu), buffers_of(on_gpu)
+    assert cpu_buffers.keys() == gpu_buffers.keys()
+    for key in cpu_buffers:
+        assert torch.equal(cpu_buffers[key], gpu_buffers[key]), key
+    for direction in ("rowwise", "columnwise"):
+        expected = on_cpu.dequantize(torch.float32, direction).view(torch.int32)
+        actual = on_gpu.dequantize(torch.float32, direction).cpu().view(torch.int32)
+        nan = torch.isnan(on_cpu.dequantize(torch.float32, direction))
+        assert torch.equal(torch.where(nan, 0, actual), torch.where(nan, 0, expected)), direction
+
+
+def test_delayed_scaling_history_on_cuda_matches_cpu():
+    cpu, gpu = Float8Quantizer(scaling="delayed", amax_history_len=2), Float8Quantizer(scaling="delayed", amax_history_len=2)
+    for seed, magnitude in enumerate((1.0, 40.0, 0.01, 3.0)):
+        x = hard_input(64, 64, torch.float32, seed) * magnitude
+        a, b = cpu.quantize(x), gpu.quantize(x.cuda())
+        assert torch.equal(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8).cpu())
+    assert torch.equal(cpu.amax_history, gpu.amax_history.cpu())
+
+
+def test_dispatch_ops_and_pickling_on_cuda():
+    q = qtensor.HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()).quantize(hard_input(64, 64, torch.bfloat16).cuda())
+    moved = q.to("cpu")
+    assert type(moved) is type(q) and moved.device.type == "cpu"
+    assert torch.equal(moved.dequantize().float().nan_to_num(), q.dequantize().cpu().float().nan_to_num())
+    top, bottom = q.split(32)
+    assert bottom.device.type == "cuda" and torch.equal(
+        bottom.dequantize().nan_to_num(), q.dequantize()[32:].nan_to_num()
+    )
+    buffer = io.BytesIO()
+    torch.save(q, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded.device.type == "cuda" and buffers_of(loaded).keys() == buffers_of(q).keys()
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("case", ["float8", "mxfp8", "nvfp4", "hybrid"])
+def test_linear_on_cuda_matches_the_oracle_reference(case, weights):
+    from test_linear import CASES, K, M_SHAPE, N, assert_gemm_matches, factory_for, varied
+
+    deq = CASES[case][1]
+    torch.manual_seed(0)
+    layer = nn.Linear(K, N)
+    with torch.no_grad():
+        layer.weight.copy_(varied(N, K, seed=1))
+    w2d = layer.weight.detach().numpy().copy()
+    layer.cuda()
+    qtensor.quantize_(layer, factory_for(case), weights=weights)
+    x = varied(*M_SHAPE, K, seed=2).cuda().requires_grad_(True)
+    grad = varied(*M_SHAPE, N, seed=7)
+    y = layer(x)
+    y.backward(grad.cuda())
+    x2d, g2d = x.detach().reshape(-1, K).cpu().numpy(), grad.reshape(-1, N).numpy()
+    assert_gemm_matches((y - layer.bias).reshape(-1, N).cpu(), deq["input"](x2d, "rowwise"), deq["weight"](w2d, "rowwise").T)
+    assert_gemm_matches(x.grad.reshape(-1, K).cpu(), deq["grad_output"](g2d, "rowwise"), deq["weight"](w2d, "columnwise"))
+    assert_gemm_matches(layer.weight.grad.cpu(), deq["grad_output"](g2d, "columnwise").T, deq["input"](x2d, "columnwise"))
+    np.testing.assert_allclose(layer.bias.grad.cpu().numpy(), g2d.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_stock_transformer_trains_on_cuda_under_the_hybrid_recipe():
+    from qtensor.demo import VOCABULARY, TinyLM, sums_stream
+
+    torch.manual_seed(0)
+    model = TinyLM(len(VOCABULARY), 64, 2, 4, 32).cuda()
+    report = qtensor.quantize_(model, qtensor.recipes.mxfp8_fwd_nvfp4_bwd())
+    assert len(report.quantized) == 7
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(40):
+        tokens = sums_stream(8, 32, generator).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:3]) / 3
