@@ -9,6 +9,7 @@ weight, and `x @ weight.t()` / `torch.addmm(bias, x, weight.t())`, run `Quantize
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import gemm
+from .formats.float8 import replaying_delayed_scales
 from .quantizer import Quantizer, fold_to_2d
 from .tensor import QuantizedTensor
 
@@ -151,7 +153,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features, weight {list(weight.shape)} expects {weight.shape[-1]}.")
     grad_enabled = torch.is_grad_enabled()
-    with torch._C.DisableTorchFunctionSubclass():
+    # A forward that runs while a backward pass executes is activation recomputation.
+    recomputing = torch._C._current_graph_task_id() != -1
+    with torch._C.DisableTorchFunctionSubclass(), replaying_delayed_scales() if recomputing else contextlib.nullcontext():
         return QuantizedLinearFunction.apply(
             x,
             weight,

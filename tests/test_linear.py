@@ -242,6 +242,27 @@ def test_activation_checkpointing_gives_identical_gradients(weights):
         assert torch.equal(a, b)
 
 
+def test_activation_checkpointing_with_delayed_scaling_replays_the_original_scales():
+    def run(use_checkpoint):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(K, 32), nn.GELU(), nn.Linear(32, 8))
+        qtensor.quantize_(model, qtensor.recipes.float8_delayed())
+        x = varied(16, K, seed=4).requires_grad_(True)
+        grads = []
+        for step in range(3):
+            inputs = x * (step + 1)
+            y = torch.utils.checkpoint.checkpoint(model, inputs, use_reentrant=False) if use_checkpoint else model(inputs)
+            y.square().sum().backward()
+            grads += [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+        return grads, [model[0].weight.linear_quantizers.roles()[r].amax_history for r in ("input", "weight", "grad_output")]
+
+    (plain_grads, plain_history), (checkpointed_grads, checkpointed_history) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, checkpointed_grads))
+    assert all(torch.equal(a, b) for a, b in zip(plain_history, checkpointed_history))
+    assert plain_history[0].numel() == 3  # one cast per step, recomputation recorded nothing
+
+
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 def test_alternating_train_and_eval_steps_leave_no_stale_data(weights):
     def train(alternate):

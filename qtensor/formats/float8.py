@@ -1,5 +1,7 @@
 """Float8 with one fp32 scale per tensor: current or delayed scaling (DESIGN.md §2 "Float8")."""
 
+import contextlib
+
 import torch
 
 from ..numerics import (
@@ -27,6 +29,21 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
 
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return data.float() * scale_inv
+
+
+_replaying = False
+
+
+@contextlib.contextmanager
+def replaying_delayed_scales():
+    """Inside, each delayed-scaling quantizer reuses the scale of its most recent cast and records
+    nothing: activation recomputation must repeat the original forward, not take a new step."""
+    global _replaying
+    previous, _replaying = _replaying, True
+    try:
+        yield
+    finally:
+        _replaying = previous
 
 
 class Float8Storage(Storage):
@@ -89,14 +106,18 @@ class Float8Quantizer(Quantizer):
         self.amax_history_len = amax_history_len
         self.amax_compute_algo = amax_compute_algo
         self.margin = margin
-        # Delayed scaling: amaxes of earlier casts, oldest first, at most amax_history_len of them.
+        # Delayed scaling: amaxes of earlier casts, oldest first, at most amax_history_len of them,
+        # and the scale of the most recent recorded cast (replayed by activation recomputation).
         self.amax_history = torch.zeros(0, dtype=torch.float32)
+        self.last_scale = None
 
     def compute_scale(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 scale this quantizer would use for `x` now (DESIGN.md §2)."""
         if self.scaling == "current":
             amax = finite_amax(x)
             margin = 0
+        elif _replaying and self.last_scale is not None:
+            return self.last_scale.to(x.device)
         else:
             history = self.amax_history.to(x.device)
             if history.numel() == 0:  # DESIGN.md §2: scale 1 until a cast has been recorded
@@ -112,8 +133,9 @@ class Float8Quantizer(Quantizer):
         scale = self.compute_scale(x)
         data = quantize_per_tensor(x, scale, self.fp8_dtype)
         scale_inv = fp32(1.0, x.device) / scale
-        if update_state and self.scaling == "delayed":
+        if update_state and self.scaling == "delayed" and not _replaying:
             self.record_amax(finite_amax(x))
+            self.last_scale = scale
         rows, cols = x.shape
         rowwise_storage = Float8Storage(data=data, scale_inv=scale_inv, direction="rowwise", rows=rows, cols=cols)
         return (
