@@ -203,6 +203,17 @@ def intercept(func, args, kwargs):
     return NotImplemented
 
 
+def torch_function(func, args, kwargs):
+    """The __torch_function__ of every weight type: the layer's quantized linear where `func` means
+    it, otherwise `func` itself on plain-tensor semantics."""
+    kwargs = kwargs or {}
+    result = intercept(func, args, kwargs)
+    if result is not NotImplemented:
+        return result
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
 _ATTENTION_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
@@ -237,12 +248,7 @@ class TransposedWeight(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = intercept(func, args, kwargs)
-        if result is not NotImplemented:
-            return result
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return torch_function(func, args, kwargs)
 
 
 class DynamicWeight(torch.Tensor):
@@ -281,12 +287,7 @@ class DynamicWeight(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = intercept(func, args, kwargs)
-        if result is not NotImplemented:
-            return result
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+        out = torch_function(func, args, kwargs)
         if func in (torch.Tensor.detach, torch.Tensor.clone) and isinstance(args[0], DynamicWeight):
             # nn.Parameter and state_dict go through detach: the weight must stay a DynamicWeight.
             out = out.as_subclass(DynamicWeight)

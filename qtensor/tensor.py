@@ -61,14 +61,9 @@ class QuantizedTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # A weight that carries its layer's quantizers routes F.linear & co. to the quantized linear.
-        from .linear import intercept
+        from .linear import torch_function
 
-        kwargs = kwargs or {}
-        result = intercept(func, args, kwargs)
-        if result is not NotImplemented:
-            return result
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return torch_function(func, args, kwargs)
 
     # ---- public API ---------------------------------------------------------------------------
     @property

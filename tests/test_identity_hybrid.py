@@ -5,10 +5,9 @@ import pytest
 import torch
 
 import oracle
+from cases import DIRECTIONS, DTYPES, as_2d, dtype_id
 import qtensor
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DIRECTIONS = ("rowwise", "columnwise")
 SINGLE_FORMATS = {
     "float8_current": lambda: qtensor.Float8Quantizer(),
     "float8_e5m2_pow2": lambda: qtensor.Float8Quantizer(fp8_dtype=torch.float8_e5m2, force_pow_2_scales=True),
@@ -17,14 +16,6 @@ SINGLE_FORMATS = {
     "nvfp4": lambda: qtensor.NVFP4Quantizer(),
     "nvfp4_2d": lambda: qtensor.NVFP4Quantizer(block_2d=True),
 }
-
-
-def dtype_id(dtype):
-    return str(dtype).replace("torch.", "") if dtype is not None else "None"
-
-
-def as_2d(x):
-    return oracle.as_f32(x).reshape(-1, x.shape[-1])
 
 
 # ---- identity ------------------------------------------------------------------------------------

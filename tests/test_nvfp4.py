@@ -8,20 +8,8 @@ import pytest
 import torch
 
 import oracle
+from cases import DIRECTIONS, DTYPES, KIND_SHAPES, as_2d, dtype_id
 import qtensor
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-KIND_SHAPES = {"varied": (64, 96), "special": (37, 45), "extremes": (48, 40), "all_tiny": (16, 33),
-               "zeros": (5, 7)}
-DIRECTIONS = ("rowwise", "columnwise")
-
-
-def dtype_id(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def as_2d(x):
-    return oracle.as_f32(x).reshape(-1, x.shape[-1])
 
 
 def element_codes(storage, length):
