@@ -53,6 +53,7 @@ def quantize_(
     report = QuantizeReport()
     plan: list[tuple[nn.Linear, LinearQuantizers]] = []
     unsupported: dict[str, str] = {}
+    owners = _parameter_owners(model)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or (filter_fn is not None and not filter_fn(module, name)):
             continue
@@ -62,7 +63,7 @@ def quantize_(
         if all(q is None for q in quantizers.values()):
             report.skipped[name] = "the factory keeps every tensor in high precision"
             continue
-        reason = _unsupported_reason(module, quantizers)
+        reason = _unsupported_reason(module, quantizers) or _tied_reason(name, module, owners)
         if reason is not None:
             unsupported[name] = reason
             continue
@@ -88,6 +89,24 @@ def _unsupported_reason(module: nn.Linear, quantizers: dict) -> str | None:
             reason = quantizer.unsupported_shape_reason(shapes[role], role)
             if reason is not None:
                 return f"{role}: {reason}"
+    return None
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) → every qualified name it is registered under (more than one when tied)."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    return owners
+
+
+def _tied_reason(name: str, module: nn.Linear, owners: dict) -> str | None:
+    others = [owner for owner in owners.get(id(module.weight), []) if owner != (f"{name}.weight" if name else "weight")]
+    if others:
+        return (
+            f"its weight is tied to {', '.join(others)}; quantizing it would untie them. "
+            "Untie the weights first, or keep this layer out with filter_fn."
+        )
     return None
 
 

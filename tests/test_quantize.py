@@ -219,3 +219,21 @@ def test_deepcopy_and_dtype_moves_keep_quantized_layers():
         model.to(torch.bfloat16)
         assert model.lm_head.weight.linear_quantizers is not None
         assert model(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_a_weight_tied_to_another_module_is_skipped_not_silently_untied():
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 32)
+            self.body = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = TiedLM()
+    report = qtensor.quantize_(model, qtensor.recipes.mxfp8())
+    assert list(report.quantized) == ["body"]
+    assert "tied to embed.weight" in report.skipped["head"]
+    assert model.head.weight is model.embed.weight
+    with pytest.raises(ValueError, match="tied"):
+        qtensor.quantize_(TiedLM(), qtensor.recipes.mxfp8(), strict=True)
