@@ -207,11 +207,39 @@ def torch_function(func, args, kwargs):
     """The __torch_function__ of every weight type: the layer's quantized linear where `func` means
     it, otherwise `func` itself on plain-tensor semantics."""
     kwargs = kwargs or {}
-    result = intercept(func, args, kwargs)
+    if func is torch.autograd.grad:
+        result = _grad_through_edges(args, kwargs)
+    else:
+        result = intercept(func, args, kwargs)
     if result is not NotImplemented:
         return result
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+_GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+def _grad_through_edges(args, kwargs):
+    """torch.autograd.grad(outputs, inputs=[..., weight]): hand the weights over as gradient edges.
+
+    Running grad from here with torch functions disabled would let activation recomputation inside
+    the backward reach plain F.linear instead of the quantized one; with edges, grad sees no
+    subclass and runs as usual."""
+    bound = _GRAD_SIGNATURE.bind(*args, **kwargs)
+    inputs = bound.arguments["inputs"]
+    if isinstance(inputs, dict):
+        return NotImplemented
+
+    def edge(tensor):
+        routed = isinstance(tensor, torch.Tensor) and torch.overrides.has_torch_function((tensor,))
+        return torch.autograd.graph.get_gradient_edge(tensor) if routed else tensor
+
+    bound.arguments["inputs"] = edge(inputs) if isinstance(inputs, torch.Tensor) else [edge(t) for t in inputs]
+    outputs = bound.arguments["outputs"]
+    if torch.overrides.has_torch_function((outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)):
+        return NotImplemented
+    return torch.autograd.grad(*bound.args, **bound.kwargs)
 
 
 _ATTENTION_SIGNATURE = inspect.signature(F.multi_head_attention_forward)

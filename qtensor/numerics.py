@@ -112,3 +112,12 @@ def expand_blocks(per_block: torch.Tensor, block: int, columns: int) -> torch.Te
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def cast_saturating(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values to `dtype`, finite values clamped to its range: a dequantized value may round just
+    past the largest fp16 (64000 in MXFP8 is 2**16), and finite input must not come back infinite."""
+    if dtype == torch.float16:
+        limit = torch.finfo(dtype).max
+        values = torch.where(torch.isinf(values), values, values.clamp(-limit, limit))
+    return values.to(dtype)

@@ -43,7 +43,7 @@ def _clone(func, args, kwargs):
 def _to_copy(func, args, kwargs):
     self = args[0]
     dtype = kwargs.get("dtype") or self.dtype
-    if dtype not in INPUT_DTYPES:
+    if not dtype.is_floating_point:
         return dequantized_fallback(func, args, kwargs)
     device = kwargs.get("device") or self.device
     non_blocking = kwargs.get("non_blocking", False)
@@ -61,6 +61,15 @@ def _view(func, args, kwargs):
     shape = torch.Size(infer_size(size, self.numel())) if self.numel() else torch.Size(size)
     keeps_rows = len(shape) >= 1 and shape[-1] == self.shape[-1] and shape.numel() == self.numel()
     if not keeps_rows or (self.shape[-1] == 0 and shape[:-1].numel() != self.shape[:-1].numel()):
+        return dequantized_fallback(func, args, kwargs)
+    return self.with_storages(self.rowwise, self.columnwise, shape=shape)
+
+
+@implements(aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _reshaping_view(func, args, kwargs):
+    self = args[0]
+    shape = func(torch.empty(self.shape, device="meta"), *args[1:], **kwargs).shape
+    if len(shape) == 0 or shape[-1] != self.shape[-1]:
         return dequantized_fallback(func, args, kwargs)
     return self.with_storages(self.rowwise, self.columnwise, shape=shape)
 
@@ -118,7 +127,10 @@ def _slice(func, args, kwargs):
 @implements(aten.copy_.default)
 def _copy(func, args, kwargs):
     self, src = args[0], args[1]
+    if not isinstance(self, QuantizedTensor):  # a plain tensor receiving a quantized one
+        return self.copy_(src.dequantize(), non_blocking=kwargs.get("non_blocking", False))
     if isinstance(src, QuantizedTensor) and _byte_compatible(self, src):
+        _check_tensor_wide_buffers_match(self, src)
         for direction in ("rowwise", "columnwise"):
             mine, theirs = getattr(self, direction), getattr(src, direction)
             if mine is not None and not (direction == "columnwise" and mine is self.rowwise):
@@ -142,6 +154,16 @@ def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
             )
 
 
+def _check_tensor_wide_buffers_match(self: QuantizedTensor, src: QuantizedTensor) -> None:
+    """Bytes copied into a row slice must keep the scale the rest of the tensor shares."""
+    for direction in ("rowwise", "columnwise"):
+        mine, theirs = getattr(self, direction), getattr(src, direction)
+        if mine is None or not mine.tensor_wide_names or not mine.is_row_slice():
+            continue
+        if any(not torch.equal(getattr(mine, n), getattr(theirs, n)) for n in mine.tensor_wide_names):
+            _check_not_a_slice_of_tensor_wide_scale(self)
+
+
 def _byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:
     if type(self) is not type(src) or self.shape != src.shape or not self.quantizer.same_format(src.quantizer):
         return False
@@ -161,8 +183,8 @@ def _write_storages(self: QuantizedTensor, fresh: QuantizedTensor) -> None:
 
 def quantized_zeros(self: QuantizedTensor, shape, dtype=None, device=None) -> QuantizedTensor:
     """Zeros of `shape` in self's format and usages; the quantizer's running state is untouched."""
-    dtype = dtype if dtype in INPUT_DTYPES else self.dtype
-    zeros = torch.zeros(shape, dtype=dtype, device=device or self.device)
+    dtype = dtype or self.dtype
+    zeros = torch.zeros(shape, dtype=dtype if dtype in INPUT_DTYPES else torch.float32, device=device or self.device)
     rowwise, columnwise = self.quantizer._quantize_2d(
         fold_to_2d(zeros), self.has_rowwise, self.has_columnwise, update_state=False
     )
@@ -174,7 +196,7 @@ def quantized_zeros(self: QuantizedTensor, shape, dtype=None, device=None) -> Qu
 @implements(aten.new_zeros.default, aten.new_empty.default)
 def _new_zeros(func, args, kwargs):
     self, size = args[0], args[1]
-    if len(size) == 0:
+    if len(size) == 0 or not _keeps_float(kwargs):
         return dequantized_fallback(func, args, kwargs)
     return quantized_zeros(self, size, kwargs.get("dtype"), kwargs.get("device"))
 
@@ -182,7 +204,14 @@ def _new_zeros(func, args, kwargs):
 @implements(aten.empty_like.default, aten.zeros_like.default)
 def _empty_like(func, args, kwargs):
     self = args[0]
+    if not _keeps_float(kwargs):
+        return dequantized_fallback(func, args, kwargs)
     return quantized_zeros(self, self.shape, kwargs.get("dtype"), kwargs.get("device"))
+
+
+def _keeps_float(kwargs) -> bool:
+    """A new tensor asked for in a non-float dtype is a plain tensor, not a quantized one."""
+    return kwargs.get("dtype") is None or kwargs["dtype"].is_floating_point
 
 
 @implements(aten.zero_.default)

@@ -14,12 +14,13 @@ import math
 import torch
 from torch.utils._pytree import tree_map
 
+from .numerics import cast_saturating
 from .quantizer import Quantizer, quantizer_from_dict, quantizer_to_dict
 from .storage import DIRECTIONS, STORAGE_CLASSES, Storage
 
 TENSOR_CLASSES: dict[str, type["QuantizedTensor"]] = {}
 
-_DTYPES_BY_NAME = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+_DTYPES_BY_NAME = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
 class QuantizedTensor(torch.Tensor):
@@ -63,7 +64,16 @@ class QuantizedTensor(torch.Tensor):
         # A weight that carries its layer's quantizers routes F.linear & co. to the quantized linear.
         from .linear import torch_function
 
+        if func is torch.Tensor.__setitem__ and isinstance(args[0], QuantizedTensor):
+            return args[0].assign(args[1], args[2])
         return torch_function(func, args, kwargs)
+
+    def assign(self, index, value) -> None:
+        """`self[index] = value`: dequantize, assign, requantize the whole tensor in place (an index
+        can select values that share blocks with the rest, so only a whole requantization is exact)."""
+        values = self.dequantize()
+        values[index] = value.dequantize() if isinstance(value, QuantizedTensor) else value
+        self.copy_(values)
 
     # ---- public API ---------------------------------------------------------------------------
     @property
@@ -91,7 +101,7 @@ class QuantizedTensor(torch.Tensor):
     def dequantize(self, dtype: torch.dtype | None = None, direction: str | None = None) -> torch.Tensor:
         """The values in the original domain and shape, as a plain tensor of `dtype` (default: self.dtype)."""
         values = self.storage_for(direction).dequantize()
-        return values.reshape(self.shape).to(dtype or self.dtype)
+        return cast_saturating(values.reshape(self.shape), dtype or self.dtype)
 
     def storage_nbytes(self) -> int:
         """Bytes held by all buffers of both directions (a buffer shared by both counted once)."""
@@ -181,8 +191,9 @@ class QuantizedTensor(torch.Tensor):
         return buffers, metadata
 
     @staticmethod
-    def unflatten(buffers: dict[str, torch.Tensor], metadata: dict) -> "QuantizedTensor":
-        """Inverse of `flatten`; builds only classes registered by qtensor itself."""
+    def unflatten(buffers: dict[str, torch.Tensor], metadata: dict, quantizer: Quantizer | None = None) -> "QuantizedTensor":
+        """Inverse of `flatten`; builds only classes registered by qtensor itself. `quantizer`, when
+        given, is used as is instead of rebuilding one from the metadata."""
         cls = _lookup(TENSOR_CLASSES, metadata["tensor_class"], "tensor class")
         storages = {}
         for direction in DIRECTIONS:
@@ -195,8 +206,30 @@ class QuantizedTensor(torch.Tensor):
             fields.update({name: buffers[f"{direction}.{name}"] for name in storage_cls.tensor_data_names})
             storages[direction] = storage_cls(**fields)
         dtype = _lookup(_DTYPES_BY_NAME, metadata["dtype"], "dtype")
-        quantizer = quantizer_from_dict(metadata["quantizer"])
+        quantizer = quantizer or quantizer_from_dict(metadata["quantizer"])
         return cls(torch.Size(metadata["shape"]), dtype, storages["rowwise"], storages["columnwise"], quantizer)
+
+    # torch's traceable-subclass protocol: nn.Module._apply (module.to/cuda/half) then swaps the
+    # parameter with the converted tensor instead of assigning .data, which would keep stale storages.
+    def __tensor_flatten__(self):
+        buffers, metadata = self.flatten()
+        return [name.replace(".", "__") for name in buffers], (metadata, self.quantizer, self.linear_quantizers)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
+        metadata, quantizer, linear_quantizers = context
+        buffers = {name.replace("__", "."): tensor for name, tensor in inner_tensors.items()}
+        result = QuantizedTensor.unflatten(buffers, metadata, quantizer)
+        result.linear_quantizers = linear_quantizers
+        return result
+
+    def __getattr__(self, name):
+        # The inner tensors __tensor_flatten__ names: "rowwise__data" is self.rowwise.data.
+        direction, separator, field = name.partition("__")
+        storage = self.__dict__.get(direction) if separator and direction in DIRECTIONS else None
+        if storage is not None and field in storage.tensor_data_names:
+            return getattr(storage, field)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __reduce_ex__(self, protocol):
         buffers, metadata = self.flatten()

@@ -242,6 +242,16 @@ def test_activation_checkpointing_gives_identical_gradients(weights):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_autograd_grad_through_a_checkpoint_matches_the_plain_run(weights):
+    layer, x, _ = build("mxfp8", weights, None, "nothing")
+    weights_of_output = varied(*M_SHAPE, N, seed=9)
+    expected = torch.autograd.grad((layer(x) * weights_of_output).sum(), [x, layer.weight])
+    out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    actual = torch.autograd.grad((out * weights_of_output).sum(), [x, layer.weight])
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
+
+
 def test_activation_checkpointing_with_delayed_scaling_replays_the_original_scales():
     def run(use_checkpoint):
         torch.manual_seed(0)

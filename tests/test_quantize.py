@@ -237,3 +237,16 @@ def test_a_weight_tied_to_another_module_is_skipped_not_silently_untied():
     assert model.head.weight is model.embed.weight
     with pytest.raises(ValueError, match="tied"):
         qtensor.quantize_(TiedLM(), qtensor.recipes.mxfp8(), strict=True)
+
+
+def test_module_dtype_moves_keep_quantized_weight_storage():
+    model = Model()
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights="quantized")
+    weight = model.lm_head.weight
+    before = weight.dequantize(torch.float32)
+    for move in (torch.nn.Module.double, torch.nn.Module.half, torch.nn.Module.float):
+        move(model)
+        assert model.lm_head.weight is weight  # the same parameter object, swapped in place
+        assert torch.equal(weight.dequantize(torch.float32), before)
+        assert weight.linear_quantizers is not None and isinstance(weight, nn.Parameter)
+    assert model.lm_head.weight.rowwise.data.dtype == torch.float8_e4m3fn

@@ -457,3 +457,57 @@ def test_nan_elements_are_stored_as_one_canonical_code(fmt_name):
     q = FORMATS[fmt_name]().quantize(x, columnwise=False)
     codes = q.rowwise.data.view(torch.uint8)
     assert codes[0, 0] == 0x7F and codes[1, 1] == 0x7F
+
+
+def test_same_format_bytes_with_another_scale_are_refused_in_a_row_slice():
+    whole = qtensor.Float8Quantizer().quantize(sample(64, 48))
+    before = whole.dequantize()
+    top, _ = whole.split(32)
+    with pytest.raises(ValueError, match="row slice"):
+        top.copy_(qtensor.Float8Quantizer().quantize(sample(32, 48) * 100))
+    assert_same_values(whole.dequantize(), before)
+    top.copy_(top.clone())  # same scale: allowed
+    assert_same_values(whole.dequantize(), before)
+
+
+def test_item_assignment_requantizes_the_whole_tensor(fmt):
+    quantizer = FORMATS[fmt]()
+    q = quantizer.quantize(sample(64, 48))
+    expected_values = q.dequantize()
+    expected_values[3] = 0.5
+    expected_values[:, :8] = 2.0
+    reference = quantizer.copy()
+    q[3] = 0.5
+    q[:, :8] = 2.0
+    assert type(q) is TENSOR_CLASS[fmt]
+    expected = reference.quantize(expected_values)
+    if fmt != "float8_delayed":  # the first assignment moved the history on
+        assert_same_values(q.dequantize(), expected.dequantize())
+
+
+def test_unsqueeze_and_squeeze_keeping_the_last_dim_stay_quantized(q):
+    assert type(q.unsqueeze(0)) is type(q) and q.unsqueeze(0).shape == (1, 4, 16, 48)
+    assert type(q.unsqueeze(0).squeeze(0)) is type(q)
+    assert type(q.unsqueeze(-1)) is torch.Tensor
+
+
+def test_new_tensors_of_a_non_float_dtype_are_plain(q):
+    for result in (q.new_zeros((2, 3), dtype=torch.int64), torch.zeros_like(q, dtype=torch.bool)):
+        assert type(result) is torch.Tensor and not result.dtype.is_floating_point
+
+
+def test_plain_tensor_copy_from_quantized_takes_the_dequantized_value(q):
+    plain = torch.zeros(q.shape, dtype=torch.float32)
+    plain.copy_(q)
+    assert_same_values(plain, q.dequantize().float())  # the logical (bf16) value
+
+
+def test_fp16_dequantize_saturates_instead_of_overflowing():
+    x = torch.full((4, 32), 64000.0, dtype=torch.float16)  # MXFP8 represents it as 2**16
+    q = qtensor.MXFP8Quantizer().quantize(x)
+    assert q.dequantize(torch.float32)[0, 0] == 65536.0
+    assert torch.all(q.dequantize() == torch.finfo(torch.float16).max)
+    hybrid = qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(), columnwise_source="rowwise_dequantized")
+    assert torch.isfinite(hybrid.quantize(x).dequantize(direction="columnwise")).all()
+    inf = torch.full((2, 4), float("inf"), dtype=torch.float16)
+    assert torch.isinf(qtensor.Float8Quantizer(torch.float8_e5m2).quantize(inf).dequantize()).all()

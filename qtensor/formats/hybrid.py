@@ -1,6 +1,6 @@
 """Hybrid: a rowwise copy in one format and a columnwise copy in another (DESIGN.md §2 "Hybrid")."""
 
-from ..numerics import check_choice
+from ..numerics import cast_saturating, check_choice
 from ..quantizer import Quantizer
 from ..tensor import QuantizedTensor
 
@@ -46,6 +46,6 @@ class HybridQuantizer(Quantizer):
         if rowwise or from_rowwise:
             rowwise_storage, _ = self.rowwise._quantize_2d(x, True, False, update_state=update_state)
         if columnwise:
-            source = rowwise_storage.dequantize().to(x.dtype) if from_rowwise else x
+            source = cast_saturating(rowwise_storage.dequantize(), x.dtype) if from_rowwise else x
             _, columnwise_storage = self.columnwise._quantize_2d(source, False, True, update_state=update_state)
         return (rowwise_storage if rowwise else None), columnwise_storage
