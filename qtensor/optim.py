@@ -13,10 +13,16 @@ class MasterWeights:
     For each parameter that is a QuantizedTensor, a master copy in `master_dtype` takes its place in
     the wrapped optimizer. `step()` hands the parameters' gradients to the masters, steps, and writes
     the masters back into the quantized parameters with `copy_` (a requantization). Plain parameters
-    pass through untouched.
+    pass through untouched. Learning-rate schedulers take the wrapped optimizer
+    (`StepLR(master_weights.optimizer, ...)`): the parameter groups are the same.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, master_dtype: torch.dtype = torch.float32):
+        if any(optimizer.state.values()):
+            raise ValueError(
+                "MasterWeights must wrap an optimizer that has not stepped yet (its state belongs to "
+                "the quantized parameters, not to the masters). Wrap it right after building it."
+            )
         self.optimizer = optimizer
         self.master_dtype = master_dtype
         self.pairs: list[tuple[QuantizedTensor, torch.Tensor]] = []
@@ -26,8 +32,6 @@ class MasterWeights:
                     master = param.dequantize(master_dtype).detach().requires_grad_(param.requires_grad)
                     group["params"][index] = master
                     self.pairs.append((param, master))
-        if any(self.optimizer.state.values()):
-            raise ValueError("MasterWeights must wrap an optimizer that has not stepped yet.")
 
     @property
     def param_groups(self):
@@ -40,13 +44,33 @@ class MasterWeights:
     def masters(self) -> list[torch.Tensor]:
         return [master for _, master in self.pairs]
 
-    @torch.no_grad()
     def step(self, closure=None):
-        for param, master in self.pairs:
-            master.grad = None if param.grad is None else param.grad.to(self.master_dtype)
-        loss = self.optimizer.step(closure)
+        """One step of the wrapped optimizer on the masters, then the masters written back.
+
+        A `closure` (LBFGS and friends) is evaluated at the masters: each call first writes them
+        into the quantized parameters, and its gradients reach the masters after it.
+        """
+        if closure is None:
+            self._gradients_to_masters()
+            loss = self.optimizer.step()
+        else:
+
+            def closure_for_masters():
+                # The model runs on the quantized parameters: bring them to the masters the
+                # optimizer is evaluating, then hand the gradients back.
+                self.write_back()
+                loss = closure()
+                self._gradients_to_masters()
+                return loss
+
+            loss = self.optimizer.step(closure_for_masters)
         self.write_back()
         return loss
+
+    @torch.no_grad()
+    def _gradients_to_masters(self) -> None:
+        for param, master in self.pairs:
+            master.grad = None if param.grad is None else param.grad.to(self.master_dtype)
 
     @torch.no_grad()
     def write_back(self) -> None:

@@ -96,11 +96,43 @@ def test_zero_grad_clears_quantized_and_plain_gradients():
     assert model[0].weight.grad is None and model[0].bias.grad is None
 
 
-def test_wrapping_an_optimizer_that_already_stepped_is_refused():
+def test_closure_steps_reach_the_quantized_weights():
+    x, y = regression_problem()
     model = quantized_model()
-    inner = torch.optim.Adam([p for p in model.parameters() if not isinstance(p, qtensor.QuantizedTensor)])
+    optimizer = qtensor.optim.MasterWeights(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5))
+    before = model[0].weight.dequantize().clone()
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    first = closure().item()
+    for _ in range(5):
+        optimizer.step(closure)
+    assert not torch.equal(model[0].weight.dequantize(), before)
+    assert nn.functional.mse_loss(model(x), y).item() < 0.5 * first
+
+
+def test_refusing_a_stepped_optimizer_leaves_it_untouched():
+    model = quantized_model()
+    inner = torch.optim.Adam(model.parameters())
     x, y = regression_problem()
     nn.functional.mse_loss(model(x), y).backward()
     inner.step()
+    params = list(inner.param_groups[0]["params"])
     with pytest.raises(ValueError, match="not stepped"):
         qtensor.optim.MasterWeights(inner)
+    assert all(a is b for a, b in zip(params, inner.param_groups[0]["params"]))
+
+
+def test_a_scheduler_drives_the_wrapped_optimizer():
+    model = quantized_model()
+    optimizer = qtensor.optim.MasterWeights(torch.optim.SGD(model.parameters(), lr=1.0))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5)
+    x, y = regression_problem()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.5
