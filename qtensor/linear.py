@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from . import gemm
 from .formats.float8 import replaying_delayed_scales
-from .quantizer import Quantizer, fold_to_2d
+from .quantizer import INPUT_DTYPES, Quantizer, fold_to_2d
 from .tensor import QuantizedTensor
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
@@ -150,8 +150,14 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with the quantizers `weight` carries."""
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"linear: input has {x.shape[-1]} features, weight {list(weight.shape)} expects {weight.shape[-1]}.")
+    name = weight.linear_quantizers.name or "a quantized linear layer"
+    if x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"{name}: input of shape {list(x.shape)} does not match weight {list(weight.shape)}; "
+            f"the input's last dimension must be {weight.shape[-1]}."
+        )
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
     grad_enabled = torch.is_grad_enabled()
     # A forward that runs while a backward pass executes is activation recomputation.
     recomputing = torch._C._current_graph_task_id() != -1
@@ -172,6 +178,13 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm
 _ADDMMS = {torch.addmm, torch.Tensor.addmm}
 
 
+def _swaps_the_two_dims(args) -> bool:
+    """t()/T/mT always do; transpose(a, b) only when a and b name different dims."""
+    if len(args) < 3:
+        return True
+    return args[1] % 2 != args[2] % 2
+
+
 def _linear_args(args, kwargs):
     names = ("input", "weight", "bias")
     bound = dict(zip(names, args))
@@ -186,7 +199,7 @@ def intercept(func, args, kwargs):
         if carries_quantizers(weight):
             return quantized_linear(x, weight, bias)
     elif func in _TRANSPOSES:
-        if carries_quantizers(args[0]) and args[0].dim() == 2:
+        if carries_quantizers(args[0]) and args[0].dim() == 2 and _swaps_the_two_dims(args):
             with torch._C.DisableTorchFunctionSubclass():
                 values = func(*args, **kwargs)
             return TransposedWeight.of(values, args[0])
@@ -301,8 +314,11 @@ class DynamicWeight(torch.Tensor):
             return self.as_subclass(torch.Tensor)
 
     def __reduce_ex__(self, protocol):
-        # Checkpoints hold plain tensors: loadable with weights_only=True, and load_state_dict
-        # copies them into this weight.
+        if self.__dict__.get("_is_param"):
+            # A parameter of a pickled module: keep it a DynamicWeight parameter.
+            return _rebuild_dynamic_parameter, (self.plain().detach(), self.requires_grad, self.linear_quantizers)
+        # state_dict entries pickle as plain tensors: loadable with weights_only=True, and
+        # load_state_dict copies them into the weight.
         return self.plain().detach().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
@@ -321,3 +337,7 @@ class DynamicWeight(torch.Tensor):
             out = out.as_subclass(DynamicWeight)
             out.linear_quantizers = args[0].linear_quantizers
         return out
+
+
+def _rebuild_dynamic_parameter(data: torch.Tensor, requires_grad: bool, linear_quantizers: LinearQuantizers):
+    return torch.nn.Parameter(DynamicWeight(data, linear_quantizers), requires_grad=requires_grad)

@@ -8,6 +8,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .formats.float8 import Float8Quantizer
+from .formats.hybrid import HybridQuantizer
 from .linear import DynamicWeight, LinearQuantizers, carries_quantizers
 from .recipe import Recipe
 from .tensor import QuantizedTensor
@@ -68,14 +70,33 @@ def quantize_(
             unsupported[name] = reason
             continue
         plan.append((module, LinearQuantizers(**quantizers, backward_override=recipe.backward_override, name=name)))
+    _check_no_shared_running_state(plan)
     if strict and unsupported:
         details = "; ".join(f"{name}: {reason}" for name, reason in unsupported.items())
         raise ValueError(f"quantize_(strict=True): {len(unsupported)} layer(s) cannot take the chosen formats: {details}")
     report.skipped.update(unsupported)
     for module, linear in plan:
         _install(module, linear, weights)
-        report.quantized[linear.name] = f"{linear.describe()}; weights={weights}"
+        mode = "quantized" if isinstance(module.weight, QuantizedTensor) else "dynamic"
+        report.quantized[linear.name] = f"{linear.describe()}; weights={mode}"
     return report
+
+
+def _check_no_shared_running_state(plan) -> None:
+    """A delayed-scaling quantizer keeps one amax history: it must serve one tensor of one layer."""
+    seen: dict[int, str] = {}
+    for _, linear in plan:
+        for role, quantizer in linear.roles().items():
+            children = [quantizer.rowwise, quantizer.columnwise] if isinstance(quantizer, HybridQuantizer) else [quantizer]
+            for child in children:
+                if isinstance(child, Float8Quantizer) and child.scaling == "delayed":
+                    where = f"{linear.name or '<root>'} {role}"
+                    if id(child) in seen:
+                        raise ValueError(
+                            f"The factory returned one delayed-scaling quantizer for {seen[id(child)]} and {where}; "
+                            "its amax history would mix them. Return a new quantizer on every call."
+                        )
+                    seen[id(child)] = where
 
 
 def _unsupported_reason(module: nn.Linear, quantizers: dict) -> str | None:
@@ -111,6 +132,22 @@ def _tied_reason(name: str, module: nn.Linear, owners: dict) -> str | None:
 
 
 def _install(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
+    _install_weight(module, linear, weights)
+    # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
+    module._qtensor_layer = (linear, weights)
+    module._qtensor_hook = module.register_load_state_dict_post_hook(_reinstall_after_load)
+
+
+def _reinstall_after_load(module: nn.Linear, incompatible_keys) -> None:
+    linear, weights = module._qtensor_layer
+    weight = module.weight
+    if isinstance(weight, QuantizedTensor) and not carries_quantizers(weight):
+        weight.linear_quantizers = linear
+    elif not carries_quantizers(weight):
+        _install_weight(module, linear, weights)
+
+
+def _install_weight(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
     weight = module.weight
     requires_grad = weight.requires_grad
     if weights == "quantized" and linear.weight is not None:
@@ -132,3 +169,5 @@ def dequantize_(model: nn.Module) -> None:
             else:
                 plain = weight.plain().detach().clone()
             module.weight = nn.Parameter(plain, requires_grad=weight.requires_grad)
+            module._qtensor_hook.remove()
+            del module._qtensor_hook, module._qtensor_layer

@@ -51,6 +51,10 @@ class Quantizer:
         duplicate.load_state_dict(self.state_to_dict())
         return duplicate
 
+    def __reduce__(self):
+        # Pickled through its JSON description: configuration and running state, nothing else.
+        return quantizer_from_dict, (quantizer_to_dict(self),)
+
     def describe(self) -> str:
         """A short name for tables: the format and the options that differ from the defaults."""
         import inspect
@@ -93,7 +97,7 @@ class Quantizer:
 
         Returns (rowwise storage, columnwise storage), None for a direction not asked. With
         `update_state=False` (quantized zeros for new_zeros/zero_) running state such as the
-        delayed-scaling amax history is left untouched.
+        delayed-scaling amax history or a stochastic-rounding generator is left untouched.
         """
         raise NotImplementedError
 

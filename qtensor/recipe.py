@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +37,11 @@ class Recipe:
     def __init__(self, factory: Factory, backward_override: str | None = None):
         if not callable(factory):
             raise TypeError(f"Recipe needs a callable factory(role) -> Quantizer | None, got {factory!r}.")
+        if not _takes_one_argument(factory):
+            raise TypeError(
+                f"{getattr(factory, '__name__', factory)!r} is not a factory(role): it cannot take a Role. "
+                "A ready recipe must be called to make one: qtensor.recipes.mxfp8(), not qtensor.recipes.mxfp8."
+            )
         if backward_override not in BACKWARD_OVERRIDES:
             raise ValueError(f"Recipe: backward_override must be one of {BACKWARD_OVERRIDES}, got {backward_override!r}.")
         self.factory = factory
@@ -64,6 +70,16 @@ class Recipe:
 
     def __repr__(self) -> str:
         return f"Recipe({self.factory!r}, backward_override={self.backward_override!r})"
+
+
+def _takes_one_argument(factory) -> bool:
+    try:
+        inspect.signature(factory).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): let the call decide
+        return True
+    return True
 
 
 def _uses_delayed_scaling(quantizer: Quantizer) -> bool:

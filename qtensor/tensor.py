@@ -232,7 +232,12 @@ class QuantizedTensor(torch.Tensor):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __reduce_ex__(self, protocol):
+        if self.__dict__.get("_is_param"):
+            # A parameter of a pickled module: keep it a parameter with its layer's quantizers.
+            return _rebuild_parameter, (self.detach(), self.requires_grad, self.linear_quantizers)
         buffers, metadata = self.flatten()
+        # A split piece views its parent's buffers; save only its own bytes.
+        buffers = {name: b.clone() if b.untyped_storage().nbytes() > b.nbytes else b for name, b in buffers.items()}
         return _rebuild_quantized_tensor, (json.dumps(metadata), buffers)
 
     # ---- dispatch -----------------------------------------------------------------------------
@@ -265,6 +270,12 @@ def _lookup(table: dict, name: str, what: str):
 
 def _rebuild_quantized_tensor(metadata_json: str, buffers: dict) -> QuantizedTensor:
     return QuantizedTensor.unflatten(buffers, json.loads(metadata_json))
+
+
+def _rebuild_parameter(tensor: torch.Tensor, requires_grad: bool, linear_quantizers) -> torch.nn.Parameter:
+    parameter = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    parameter.linear_quantizers = linear_quantizers
+    return parameter
 
 
 torch.serialization.add_safe_globals([_rebuild_quantized_tensor])

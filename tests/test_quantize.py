@@ -250,3 +250,70 @@ def test_module_dtype_moves_keep_quantized_weight_storage():
         assert torch.equal(weight.dequantize(torch.float32), before)
         assert weight.linear_quantizers is not None and isinstance(weight, nn.Parameter)
     assert model.lm_head.weight.rowwise.data.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_pickling_a_whole_model_keeps_its_quantized_parameters(weights):
+    model = Model()
+    qtensor.quantize_(model, qtensor.recipes.nvfp4(), weights=weights)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    weight = loaded.lm_head.weight
+    assert isinstance(weight, nn.Parameter) and weight.requires_grad and weight.linear_quantizers is not None
+    assert type(weight) is type(model.lm_head.weight)
+    x = torch.randn(3, 32)
+    assert torch.equal(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_load_state_dict_with_assign_keeps_layers_quantized(weights):
+    source = Model()
+    state = source.state_dict()
+    model = Model()
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights=weights)
+    model.load_state_dict(state, assign=True)
+    assert model.lm_head.weight.linear_quantizers is not None
+    reference = Model()
+    reference.load_state_dict(state)
+    qtensor.quantize_(reference, qtensor.recipes.mxfp8(), weights=weights)
+    x = torch.randn(3, 32)
+    assert torch.equal(model(x), reference(x))
+
+
+def test_report_names_the_weight_mode_each_layer_really_has():
+    keep_weight = lambda role: None if role.tensor_type == "weight" else MXFP8Quantizer()  # noqa: E731
+    report = qtensor.quantize_(Model(), keep_weight, weights="quantized")
+    assert all(text.endswith("weights=dynamic") for text in report.quantized.values())
+
+
+def test_a_ready_recipe_passed_uncalled_gets_a_clear_error():
+    with pytest.raises(TypeError, match=r"qtensor.recipes.mxfp8\(\)"):
+        qtensor.quantize_(Model(), qtensor.recipes.mxfp8)
+
+
+def test_one_delayed_scaling_quantizer_for_several_tensors_is_refused():
+    shared = Float8Quantizer(scaling="delayed")
+    with pytest.raises(ValueError, match="new quantizer on every call"):
+        qtensor.quantize_(Model(), lambda role: shared)
+    stateless = MXFP8Quantizer()
+    qtensor.quantize_(Model(), lambda role: stateless)  # nothing to mix up: allowed
+
+
+def test_bad_inputs_to_a_quantized_layer_name_the_layer():
+    model = Model()
+    qtensor.quantize_(model, qtensor.recipes.mxfp8())
+    with pytest.raises(TypeError, match="lm_head: input is torch.float64"):
+        model.lm_head(torch.randn(2, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="lm_head: input of shape"):
+        model.lm_head(torch.randn(2, 31))
+
+
+def test_transposes_that_are_not_the_matrix_transpose_stay_plain():
+    model = Model()
+    qtensor.quantize_(model, qtensor.recipes.mxfp8())
+    weight = model.lm_head.weight
+    same = weight.transpose(0, 0)
+    assert type(same) is torch.Tensor and same.shape == weight.shape
+    assert isinstance(weight.transpose(1, 0), qtensor.linear.TransposedWeight)

@@ -386,6 +386,8 @@ def test_scalar_input_is_a_value_error():
         lambda: qtensor.Float8Quantizer(scaling="sometimes"),
         lambda: qtensor.Float8Quantizer(fp8_dtype=torch.float16),
         lambda: qtensor.Float8Quantizer(amax_compute_algo="mean"),
+        lambda: qtensor.Float8Quantizer(margin=-3.5),
+        lambda: qtensor.Float8Quantizer(amax_epsilon="x"),
         lambda: qtensor.MXFP8Quantizer(scale_rounding="nearest"),
         lambda: qtensor.NVFP4Quantizer(block_2d=True, rht=True),
         lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(), columnwise_source="x"),
@@ -511,3 +513,26 @@ def test_fp16_dequantize_saturates_instead_of_overflowing():
     assert torch.isfinite(hybrid.quantize(x).dequantize(direction="columnwise")).all()
     inf = torch.full((2, 4), float("inf"), dtype=torch.float16)
     assert torch.isinf(qtensor.Float8Quantizer(torch.float8_e5m2).quantize(inf).dequantize()).all()
+
+
+def test_pickling_a_split_piece_saves_only_its_own_bytes():
+    whole = qtensor.MXFP8Quantizer().quantize(sample(1024, 64))
+    piece = whole.split(32)[0]
+    buffer = io.BytesIO()
+    torch.save(piece, buffer)
+    assert len(buffer.getvalue()) < 4 * piece.storage_nbytes()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert_same_bytes(loaded, piece)
+
+
+def test_quantized_zeros_leave_the_stochastic_rounding_generator_alone():
+    def draws(make_zeros):
+        quantizer = qtensor.NVFP4Quantizer(stochastic_rounding=True, seed=3)
+        q = quantizer.quantize(sample(32, 32, seed=1))
+        if make_zeros:
+            q.new_zeros((32, 32))
+            q.zero_()
+        return quantizer.quantize(sample(32, 32, seed=2))
+
+    assert_same_bytes(draws(False), draws(True))

@@ -97,8 +97,12 @@ class Float8Quantizer(Quantizer):
         check_choice(amax_compute_algo, ("max", "most_recent"), "amax_compute_algo", "Float8Quantizer")
         if not isinstance(amax_history_len, int) or amax_history_len < 1:
             raise ValueError(f"Float8Quantizer: amax_history_len must be a positive int, got {amax_history_len!r}.")
-        if amax_epsilon < 0:
-            raise ValueError(f"Float8Quantizer: amax_epsilon must be >= 0, got {amax_epsilon!r}.")
+        if not isinstance(amax_epsilon, (int, float)) or amax_epsilon < 0:
+            raise ValueError(f"Float8Quantizer: amax_epsilon must be a number >= 0, got {amax_epsilon!r}.")
+        if not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"Float8Quantizer: margin must be an int >= 0 (scale / 2**margin), got {margin!r}.")
+        if not isinstance(force_pow_2_scales, bool):
+            raise ValueError(f"Float8Quantizer: force_pow_2_scales must be True or False, got {force_pow_2_scales!r}.")
         self.fp8_dtype = fp8_dtype
         self.scaling = scaling
         self.amax_epsilon = amax_epsilon

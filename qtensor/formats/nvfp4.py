@@ -215,7 +215,9 @@ class NVFP4Quantizer(Quantizer):
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         x = x.float()
         rows, cols = x.shape
-        generator = self._generator(x.device)
+        # Quantized zeros (update_state=False) draw no random numbers: the generator stays put.
+        stochastic = self.stochastic_rounding and update_state
+        generator = self._generator(x.device) if stochastic else None
         global_amax = finite_amax(x)
         s_enc = encode_scale(global_amax)
         tiles = tile_amax(x) if self.block_2d else None
@@ -223,7 +225,7 @@ class NVFP4Quantizer(Quantizer):
         rowwise_storage = columnwise_storage = None
         if rowwise:
             amax = tiles.repeat_interleave(BLOCK_SIZE, 0)[:rows] if self.block_2d else block_amax(x, BLOCK_SIZE)
-            data, scale_inv = quantize_row_blocks(x, s_enc, amax, generator, self.stochastic_rounding)
+            data, scale_inv = quantize_row_blocks(x, s_enc, amax, generator, stochastic)
             rowwise_storage = NVFP4Storage(
                 data=data, scale_inv=scale_inv, global_amax=global_amax, direction="rowwise", **common
             )
@@ -238,7 +240,7 @@ class NVFP4Quantizer(Quantizer):
                 amax = tiles.t().repeat_interleave(BLOCK_SIZE, 0)[:cols]
             else:
                 amax = block_amax(x_t, BLOCK_SIZE)
-            data, scale_inv = quantize_row_blocks(x_t, column_s_enc, amax, generator, self.stochastic_rounding)
+            data, scale_inv = quantize_row_blocks(x_t, column_s_enc, amax, generator, stochastic)
             columnwise_storage = NVFP4Storage(
                 data=data, scale_inv=scale_inv, global_amax=column_amax, direction="columnwise", **common
             )
