@@ -145,3 +145,21 @@ def test_stock_transformer_trains_on_cuda_under_the_hybrid_recipe():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:3]) / 3
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_moving_a_quantized_model_to_the_gpu_moves_every_buffer(weights):
+    layer = nn.Linear(64, 32)
+    qtensor.quantize_(layer, qtensor.recipes.mxfp8_fwd_nvfp4_bwd(), weights=weights)
+    x = torch.randn(8, 64)
+    expected = layer(x)
+    layer.cuda()
+    weight = layer.weight
+    assert weight.device.type == "cuda"
+    if isinstance(weight, qtensor.QuantizedTensor):
+        for storage in (weight.rowwise, weight.columnwise):
+            assert all(b.device.type == "cuda" for b in storage.buffers.values())
+    y = layer(x.cuda())
+    y.sum().backward()
+    torch.testing.assert_close(y.cpu(), expected, rtol=1e-5, atol=1e-5)
+    assert layer.weight.grad.device.type == "cuda"
