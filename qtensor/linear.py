@@ -108,8 +108,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
             saved_x, saved_w = (x_q, "columnwise"), (w_q, "columnwise")
         elif override == "dequantized":
             saved_x, saved_w = (x_q, "rowwise"), (w_q, "rowwise")
-        else:  # high_precision: the original operands
-            original_w = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+        else:  # high_precision: the original operands (a quantized parameter has no other)
+            original_w = weight.dequantize() if isinstance(weight, QuantizedTensor) and input_needs_grad else weight
             saved_x, saved_w = (x2d, None), (original_w, None)
         ctx.save_for_backward(
             _only(*saved_x) if weight_needs_grad else None,
@@ -131,8 +131,10 @@ class QuantizedLinearFunction(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
 
         if linear.backward_override == "dequantized":
-            saved_x = saved_x.dequantize(direction="rowwise") if isinstance(saved_x, QuantizedTensor) else saved_x
-            saved_w = saved_w.dequantize(direction="rowwise") if isinstance(saved_w, QuantizedTensor) else saved_w
+            # The exact fp32 values the forward GEMM multiplied, not a rounding of them to x's dtype.
+            saved_x, saved_w = (
+                t.dequantize(torch.float32, "rowwise") if isinstance(t, QuantizedTensor) else t for t in (saved_x, saved_w)
+            )
         grad_q = grad_2d
         if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
             # Quantized once, with both usages the two backward GEMMs need.

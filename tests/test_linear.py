@@ -326,3 +326,27 @@ def test_bf16_autocast_gives_bf16_output_from_the_same_fp32_reference():
             y = layer(x)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, expected.to(torch.bfloat16))
+
+
+def test_dequantized_backward_uses_the_exact_fp32_forward_operands_of_a_bf16_layer():
+    layer, x, w = build("nvfp4", "dynamic", "dequantized", "nothing")
+    layer.to(torch.bfloat16)
+    x = x.detach().to(torch.bfloat16).requires_grad_(True)
+    seen = {}
+
+    def recording(name, real):
+        def gemm_op(grad, operand):
+            seen[name] = operand
+            return real(grad, operand)
+
+        return gemm_op
+
+    with mock.patch.object(qtensor.gemm, "dgrad", recording("w", qtensor.gemm.dgrad)), mock.patch.object(
+        qtensor.gemm, "wgrad", recording("x", qtensor.gemm.wgrad)
+    ):
+        layer(x).sum().backward()
+    x2d = x.detach().float().reshape(-1, K).numpy()
+    w2d = layer.weight.plain().detach().float().numpy()
+    assert seen["w"].dtype == torch.float32 and seen["x"].dtype == torch.float32
+    oracle.assert_same_bits(seen["w"].numpy(), oracle.nvfp4(w2d, "rowwise", block_2d=True).deq)
+    oracle.assert_same_bits(seen["x"].numpy(), oracle.nvfp4(x2d, "rowwise").deq)
