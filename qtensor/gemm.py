@@ -8,6 +8,8 @@ This module holds the emulated reference: each operand's direction is dequantize
 product is taken in fp32. It runs on any device and is what every fast GEMM is checked against.
 """
 
+import contextlib
+
 import torch
 
 from .tensor import QuantizedTensor
@@ -20,9 +22,20 @@ def operand(tensor: torch.Tensor, direction: str) -> torch.Tensor:
     return tensor.float().reshape(-1, tensor.shape[-1])
 
 
+@contextlib.contextmanager
+def _ieee_fp32():
+    """Full fp32 products even where the caller allowed TF32 (set_float32_matmul_precision)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # An enclosing autocast must not lower the reference product to bf16.
-    with torch.autocast(a.device.type, enabled=False):
+    # Neither an enclosing autocast nor TF32 may lower the reference product's precision.
+    with torch.autocast(a.device.type, enabled=False), _ieee_fp32():
         return a @ b
 
 

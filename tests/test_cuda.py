@@ -163,3 +163,24 @@ def test_moving_a_quantized_model_to_the_gpu_moves_every_buffer(weights):
     y.sum().backward()
     torch.testing.assert_close(y.cpu(), expected, rtol=1e-5, atol=1e-5)
     assert layer.weight.grad.device.type == "cuda"
+
+
+def test_the_reference_gemm_stays_full_fp32_when_tf32_is_allowed():
+    from test_linear import CASES, K, N, assert_gemm_matches, factory_for, varied
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 for ordinary fp32 matmuls
+    try:
+        layer = nn.Linear(K, N, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(varied(N, K, seed=1))
+        w2d = layer.weight.detach().numpy().copy()
+        layer.cuda()
+        qtensor.quantize_(layer, factory_for("mxfp8"))
+        x = varied(256, K, seed=2)
+        y = layer(x.cuda())
+        deq = CASES["mxfp8"][1]
+        assert_gemm_matches(y.cpu(), deq["input"](x.numpy(), "rowwise"), deq["weight"](w2d, "rowwise").T)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
