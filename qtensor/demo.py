@@ -71,6 +71,7 @@ class Run:
     name: str
     recipe: Recipe | None
     weights: str = "dynamic"
+    family: str = ""  # what --only matches besides the name (the base recipe of an override run)
 
 
 def demo_runs() -> list[Run]:
@@ -87,8 +88,8 @@ def demo_runs() -> list[Run]:
         Run("mxfp8, quantized weights", Recipe(keep_head(recipes.mxfp8())), weights="quantized"),
         Run("nvfp4", Recipe(keep_head(recipes.nvfp4()))),
         Run("mxfp8_fwd_nvfp4_bwd", Recipe(hybrid)),
-        Run("  + high_precision bwd", Recipe(hybrid, backward_override="high_precision")),
-        Run("  + dequantized bwd", Recipe(hybrid, backward_override="dequantized")),
+        Run("  + high_precision bwd", Recipe(hybrid, backward_override="high_precision"), family="mxfp8_fwd_nvfp4_bwd"),
+        Run("  + dequantized bwd", Recipe(hybrid, backward_override="dequantized"), family="mxfp8_fwd_nvfp4_bwd"),
     ]
 
 
@@ -181,7 +182,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--only", nargs="*", help="run only the recipes whose names contain one of these")
+    parser.add_argument("--only", nargs="*", help="run only the recipes whose names contain one of these (and bf16)")
     parser.add_argument("--formats", action="store_true", help="print the per-format error table and exit")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -191,7 +192,9 @@ def main(argv=None) -> None:
 
     torch.manual_seed(args.seed)
     base = TinyLM(len(VOCABULARY), args.d_model, args.layers, args.heads, args.length)
-    runs = [r for r in demo_runs() if not args.only or r.name == "bf16" or any(o in r.name for o in args.only)]
+    runs = [
+        r for r in demo_runs() if not args.only or r.name == "bf16" or any(o in r.name + r.family for o in args.only)
+    ]
     print(
         f"TinyLM d_model={args.d_model} layers={args.layers} on {device}: {args.steps} steps of "
         f"{args.batch}x{args.length} tokens per recipe (uniform guess: loss {math.log(len(VOCABULARY)):.3f})",
