@@ -1,5 +1,6 @@
 """Parameter grids and small helpers shared by the numerics test modules."""
 
+import pytest
 import torch
 
 import oracle
@@ -18,3 +19,18 @@ def dtype_id(dtype):
 def as_2d(x):
     """A torch tensor as the fp32 numpy 2-D view the oracle takes."""
     return oracle.as_f32(x).reshape(-1, x.shape[-1])
+
+
+def assert_default_dequantize(q, x, deq):
+    """q.dequantize() with no arguments: the oracle's fp32 values rounded to x's dtype, in x's shape."""
+    default = q.dequantize()
+    assert default.dtype == x.dtype and default.shape == x.shape
+    oracle.assert_same_bits(default, oracle.round_to_dtype(deq, x.dtype).reshape(x.shape), "dequantize() in the input dtype")
+
+
+def assert_holds_only(q, direction):
+    """A tensor quantized in one direction has no other, and asking for it is a ValueError."""
+    missing = "columnwise" if direction == "rowwise" else "rowwise"
+    assert getattr(q, missing) is None and getattr(q, direction) is not None
+    with pytest.raises(ValueError):
+        q.dequantize(torch.float32, missing)

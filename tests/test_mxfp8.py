@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import oracle
-from cases import DIRECTIONS, DTYPES, FP8_DTYPES, KIND_SHAPES, as_2d, dtype_id
+from cases import DIRECTIONS, DTYPES, FP8_DTYPES, KIND_SHAPES, as_2d, assert_default_dequantize, assert_holds_only, dtype_id
 import qtensor
 
 
@@ -21,10 +21,7 @@ def assert_matches_oracle(q, x, fp8="e4m3", rule="rceil", directions=DIRECTIONS)
         oracle.assert_same_bits(q.dequantize(torch.float32, direction), expected.deq.reshape(x.shape),
                                 f"{direction} dequantized")
     first = oracle.mxfp8(x2d, directions[0], fp8, rule)
-    default = q.dequantize()
-    assert default.dtype == x.dtype and default.shape == x.shape
-    oracle.assert_same_bits(default, oracle.round_to_dtype(first.deq, x.dtype).reshape(x.shape),
-                            "dequantize() in the input dtype")
+    assert_default_dequantize(q, x, first.deq)
 
 
 @pytest.mark.parametrize("kind", list(KIND_SHAPES))
@@ -87,8 +84,5 @@ def test_leading_dimensions_fold_into_rows(inputs, shape):
 def test_single_direction_quantization_holds_only_that_direction(inputs, rowwise, columnwise):
     x = inputs.make("special", (37, 45), torch.float16)
     q = qtensor.MXFP8Quantizer().quantize(x, rowwise=rowwise, columnwise=columnwise)
-    missing = "columnwise" if rowwise else "rowwise"
-    assert getattr(q, missing) is None
-    with pytest.raises(ValueError):
-        q.dequantize(torch.float32, missing)
+    assert_holds_only(q, "rowwise" if rowwise else "columnwise")
     assert_matches_oracle(q, x, directions=("rowwise",) if rowwise else ("columnwise",))
