@@ -25,9 +25,10 @@ from .tensor import QuantizedTensor
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinearQuantizers:
-    """The quantizers of one linear layer, by tensor role; None keeps that tensor in high precision."""
+    """The quantizers of one linear layer, by tensor role; None keeps that tensor in high precision.
+    Compares and hashes by value (torch.compile guards on the one a weight carries)."""
 
     input: Quantizer | None
     weight: Quantizer | None

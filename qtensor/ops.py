@@ -9,6 +9,7 @@ import torch
 from torch._prims_common import infer_size
 
 from .quantizer import INPUT_DTYPES, fold_to_2d
+from .storage import DIRECTIONS
 from .tensor import QuantizedTensor, dequantized_fallback, rows_per_index
 
 aten = torch.ops.aten
@@ -36,7 +37,7 @@ def _alias(func, args, kwargs):
 
 @implements(aten.clone.default)
 def _clone(func, args, kwargs):
-    return args[0].map_storages(lambda storage: storage.map_buffers(torch.clone))
+    return args[0].map_buffers(torch.clone)
 
 
 @implements(aten._to_copy.default)
@@ -52,7 +53,7 @@ def _to_copy(func, args, kwargs):
         moved = buffer.to(device, non_blocking=non_blocking, copy=True)
         return moved.pin_memory() if kwargs.get("pin_memory") else moved
 
-    return self.map_storages(lambda storage: storage.map_buffers(move), dtype=dtype)
+    return self.map_buffers(move, dtype=dtype)
 
 
 @implements(aten.view.default, aten._unsafe_view.default)
@@ -131,54 +132,57 @@ def _copy(func, args, kwargs):
         return self.copy_(src.dequantize(), non_blocking=kwargs.get("non_blocking", False))
     if isinstance(src, QuantizedTensor) and _byte_compatible(self, src):
         _check_tensor_wide_buffers_match(self, src)
-        for direction in ("rowwise", "columnwise"):
-            mine, theirs = getattr(self, direction), getattr(src, direction)
-            if mine is not None and not (direction == "columnwise" and mine is self.rowwise):
-                mine.copy_from(theirs)
+        _copy_storages(self, src)
         return self
     _check_not_a_slice_of_tensor_wide_scale(self)
     plain = src.dequantize() if isinstance(src, QuantizedTensor) else src
     plain = plain.to(device=self.device, dtype=self.dtype).expand(self.shape)
     fresh = self.quantizer.quantize(plain, rowwise=self.has_rowwise, columnwise=self.has_columnwise)
-    _write_storages(self, fresh)
+    _copy_storages(self, fresh)
     return self
 
 
+def _storages(tensor: QuantizedTensor):
+    return [(d, getattr(tensor, d)) for d in DIRECTIONS if getattr(tensor, d) is not None]
+
+
+def _tensor_wide(storage) -> list[str]:
+    return [spec.name for spec in storage.buffer_specs() if spec.tensor_wide]
+
+
 def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
-    for storage in (self.rowwise, self.columnwise):
-        if storage is not None and storage.tensor_wide_names and storage.is_row_slice():
+    for _, storage in _storages(self):
+        if storage.row_slice and _tensor_wide(storage):
             raise ValueError(
                 f"Cannot quantize into a row slice of a {type(self).__name__}: its "
-                f"{'/'.join(storage.tensor_wide_names)} covers the whole tensor, and a new one for these "
+                f"{'/'.join(_tensor_wide(storage))} covers the whole tensor, and a new one for these "
                 "rows would change the rest. Copy into the whole tensor, or into a clone() of the slice."
             )
 
 
 def _check_tensor_wide_buffers_match(self: QuantizedTensor, src: QuantizedTensor) -> None:
     """Bytes copied into a row slice must keep the scale the rest of the tensor shares."""
-    for direction in ("rowwise", "columnwise"):
-        mine, theirs = getattr(self, direction), getattr(src, direction)
-        if mine is None or not mine.tensor_wide_names or not mine.is_row_slice():
-            continue
-        if any(not torch.equal(getattr(mine, n), getattr(theirs, n)) for n in mine.tensor_wide_names):
+    for direction, mine in _storages(self):
+        theirs = getattr(src, direction)
+        if mine.row_slice and any(not torch.equal(getattr(mine, n), getattr(theirs, n)) for n in _tensor_wide(mine)):
             _check_not_a_slice_of_tensor_wide_scale(self)
 
 
 def _byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:
-    if type(self) is not type(src) or self.shape != src.shape or not self.quantizer.same_format(src.quantizer):
+    if type(self) is not type(src) or self.shape != src.shape or self.quantizer != src.quantizer:
         return False
-    for direction in ("rowwise", "columnwise"):
-        mine, theirs = getattr(self, direction), getattr(src, direction)
-        if mine is not None and (theirs is None or not mine.same_layout(theirs)):
-            return False
-    return True
+    return all(getattr(src, d) is not None and mine.same_layout(getattr(src, d)) for d, mine in _storages(self))
 
 
-def _write_storages(self: QuantizedTensor, fresh: QuantizedTensor) -> None:
-    for direction in ("rowwise", "columnwise"):
-        mine = getattr(self, direction)
-        if mine is not None and not (direction == "columnwise" and mine is self.rowwise):
-            mine.copy_from(getattr(fresh, direction))
+def _copy_storages(self: QuantizedTensor, source: QuantizedTensor) -> None:
+    """Copy `source`'s bytes into every buffer of `self`'s directions, each buffer once."""
+    done = set()
+    for direction, mine in _storages(self):
+        theirs = getattr(source, direction).buffers
+        for name, target in mine.buffers.items():
+            if id(target) not in done:
+                done.add(id(target))
+                target.copy_(theirs[name])
 
 
 def quantized_zeros(self: QuantizedTensor, shape, dtype=None, device=None) -> QuantizedTensor:
@@ -217,17 +221,16 @@ def _keeps_float(kwargs) -> bool:
 @implements(aten.zero_.default)
 def _zero(func, args, kwargs):
     self = args[0]
-    _write_storages(self, quantized_zeros(self, self.shape))
+    _copy_storages(self, quantized_zeros(self, self.shape))
     return self
 
 
 @implements(aten.is_pinned.default)
 def _is_pinned(func, args, kwargs):
-    self = args[0]
-    storages = [s for s in (self.rowwise, self.columnwise) if s is not None]
-    return all(buffer.is_pinned() for storage in storages for buffer in storage.buffers.values())
+    buffers, _ = args[0].to_buffers(quantizer_state=False)
+    return all(buffer.is_pinned() for buffer in buffers.values())
 
 
 @implements(aten._pin_memory.default)
 def _pin_memory(func, args, kwargs):
-    return args[0].map_storages(lambda storage: storage.map_buffers(torch.Tensor.pin_memory))
+    return args[0].map_buffers(torch.Tensor.pin_memory)

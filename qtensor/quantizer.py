@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 
 import torch
@@ -45,20 +47,30 @@ class Quantizer:
         """The constructor arguments that rebuild this quantizer's configuration."""
         return {name: getattr(self, name) for name in self._config_names()}
 
+    def config_key(self) -> tuple:
+        """Hashable configuration: what `==` and `hash` compare. Running state is not part of it."""
+        return (type(self).__name__, tuple((n, v.config_key() if isinstance(v, Quantizer) else v) for n, v in self.config().items()))
+
+    def __eq__(self, other) -> bool:
+        # By value (two quantizers with one configuration make byte-compatible tensors), so that
+        # torch.compile can guard on the quantizer a tensor carries.
+        return isinstance(other, Quantizer) and self.config_key() == other.config_key()
+
+    def __hash__(self) -> int:
+        return hash(self.config_key())
+
     def copy(self) -> "Quantizer":
         """An independent quantizer with the same configuration and a copy of its running state."""
         duplicate = type(self)(**{k: v.copy() if isinstance(v, Quantizer) else v for k, v in self.config().items()})
-        duplicate.load_state_dict(self.state_to_dict())
+        duplicate.load_state_buffers(self.state_buffers())
         return duplicate
 
     def __reduce__(self):
-        # Pickled through its JSON description: configuration and running state, nothing else.
-        return quantizer_from_dict, (quantizer_to_dict(self),)
+        # Pickled as its JSON configuration plus its running-state tensors, nothing else.
+        return _rebuild_quantizer, (json.dumps(quantizer_to_dict(self)), {n: b.detach().clone() for n, b in self.state_buffers().items()})
 
     def describe(self) -> str:
         """A short name for tables: the format and the options that differ from the defaults."""
-        import inspect
-
         defaults = {n: p.default for n, p in inspect.signature(type(self).__init__).parameters.items()}
         options = [
             _short(name, value) for name, value in self.config().items() if defaults.get(name, inspect.Parameter.empty) != value
@@ -73,17 +85,32 @@ class Quantizer:
         """
         return None
 
-    def state_to_dict(self) -> dict:
-        """Running state to save with the configuration (delayed scaling's amax history)."""
+    def quantizer_for(self, direction: str) -> "Quantizer":
+        """The quantizer that makes this quantizer's `direction` storage (a hybrid's child)."""
+        return self
+
+    def state_buffers(self) -> dict[str, torch.Tensor]:
+        """Running state, as named tensors (delayed scaling's amax history); empty when stateless.
+        These are the live tensors: writing into them changes the quantizer."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{type(self).__name__} keeps no state, got {sorted(state)}.")
-
-    def same_format(self, other: "Quantizer") -> bool:
-        """True when `other` produces byte-compatible tensors (same class, same configuration)."""
-        return type(self) is type(other) and quantizer_to_dict(self)["config"] == quantizer_to_dict(other)["config"]
+    def load_state_buffers(self, buffers: dict[str, torch.Tensor], where: str = "") -> None:
+        """Copy saved running state into this quantizer's own buffers, in place (on their device)."""
+        mine = self.state_buffers()
+        if set(buffers) != set(mine):
+            raise ValueError(
+                f"{where or type(self).__name__}: running state {sorted(buffers)} does not match this "
+                f"quantizer's {sorted(mine)} ({self!r})."
+            )
+        for name, target in mine.items():
+            source = buffers[name]
+            if source.dtype != target.dtype or source.shape != target.shape:
+                raise ValueError(
+                    f"{where}{name}: expected {target.dtype} of shape {list(target.shape)} for {self!r}, "
+                    f"got {source.dtype} of shape {list(source.shape)}."
+                )
+            with torch.no_grad():
+                target.copy_(source)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{name}={_format_value(value)}" for name, value in self.config().items())
@@ -102,8 +129,6 @@ class Quantizer:
         raise NotImplementedError
 
     def _config_names(self) -> tuple[str, ...]:
-        import inspect
-
         return tuple(inspect.signature(type(self).__init__).parameters)[1:]
 
     def _check_input(self, x, rowwise: bool, columnwise: bool) -> torch.Tensor:
@@ -144,14 +169,15 @@ def _format_value(value) -> str:
     return repr(value)
 
 
-# ---- JSON form (pickling and safetensors metadata); only qtensor's own classes are rebuilt ----
-_CONFIG_DTYPES = {
+# ---- JSON form (pickling and checkpoint metadata); only qtensor's own classes are rebuilt ----
+DTYPES_BY_NAME = {
     str(d).removeprefix("torch."): d
     for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 }
 
 
-def _encode(value):
+def encode_value(value):
+    """A configuration or option value as JSON: dtypes and quantizers become tagged objects."""
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
     if isinstance(value, Quantizer):
@@ -159,29 +185,48 @@ def _encode(value):
     return value
 
 
-def _decode(value):
-    if isinstance(value, dict) and "dtype" in value:
-        if value["dtype"] not in _CONFIG_DTYPES:
-            raise ValueError(f"Unsupported dtype {value['dtype']!r} in a qtensor quantizer description.")
-        return _CONFIG_DTYPES[value["dtype"]]
-    if isinstance(value, dict) and "quantizer" in value:
-        return quantizer_from_dict(value["quantizer"])
-    return value
+def decode_value(value, where: str):
+    """Inverse of `encode_value`; anything but plain scalars and the two tagged forms is refused."""
+    if isinstance(value, dict) and set(value) == {"dtype"}:
+        if value["dtype"] not in DTYPES_BY_NAME:
+            raise ValueError(f"{where}: unsupported dtype {value['dtype']!r}; expected one of {sorted(DTYPES_BY_NAME)}.")
+        return DTYPES_BY_NAME[value["dtype"]]
+    if isinstance(value, dict) and set(value) == {"quantizer"}:
+        return quantizer_from_dict(value["quantizer"], where)
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise ValueError(f"{where}: {value!r} is not a valid quantizer option value.")
 
 
 def quantizer_to_dict(quantizer: Quantizer) -> dict:
-    """A JSON-able description: format name, configuration and any running state."""
+    """A JSON-able description of the configuration: format name and constructor arguments."""
     return {
         "format": quantizer.format_name,
-        "config": {name: _encode(value) for name, value in quantizer.config().items()},
-        "state": quantizer.state_to_dict(),
+        "config": {name: encode_value(value) for name, value in quantizer.config().items()},
     }
 
 
-def quantizer_from_dict(description: dict) -> Quantizer:
+def quantizer_from_dict(description, where: str = "quantizer") -> Quantizer:
+    """A new quantizer from `quantizer_to_dict`'s form; ValueError for anything else (unknown
+    format or option, wrong value), and only qtensor's own quantizer classes are ever built."""
+    if not isinstance(description, dict) or set(description) != {"format", "config"} or not isinstance(description["config"], dict):
+        raise ValueError(f"{where}: expected {{'format': ..., 'config': {{...}}}}, got {description!r}.")
     name = description["format"]
-    if name not in QUANTIZER_CLASSES:
-        raise ValueError(f"Unknown qtensor quantizer format {name!r}.")
-    quantizer = QUANTIZER_CLASSES[name](**{k: _decode(v) for k, v in description["config"].items()})
-    quantizer.load_state_dict(description.get("state", {}))
+    if not isinstance(name, str) or name not in QUANTIZER_CLASSES:
+        raise ValueError(f"{where}: unknown qtensor quantizer format {name!r}; expected one of {sorted(QUANTIZER_CLASSES)}.")
+    cls = QUANTIZER_CLASSES[name]
+    allowed = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    unknown = set(description["config"]) - allowed
+    if unknown:
+        raise ValueError(f"{where}: {cls.__name__} has no option(s) {sorted(unknown)}.")
+    config = {key: decode_value(value, f"{where}.{key}") for key, value in description["config"].items()}
+    try:
+        return cls(**config)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def _rebuild_quantizer(description_json: str, state: dict) -> Quantizer:
+    quantizer = quantizer_from_dict(json.loads(description_json))
+    quantizer.load_state_buffers(state)
     return quantizer

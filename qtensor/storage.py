@@ -1,30 +1,65 @@
-"""Storage: the buffers of one direction of a quantized tensor, and the math to read them back.
+"""Storage: the buffers of one direction of a quantized tensor, and the contract that describes them.
 
 A storage is a plain object, not a tensor. It holds the 2-D `[rows, cols]` view of the tensor it
-belongs to (leading dimensions folded into rows) and knows its own layout: which buffers it has,
-how to dequantize them, and how to cut a range of rows out of them. The tensor subclass adds only
-tensor behaviour on top of one or two storages (DESIGN.md §1).
+belongs to (leading dimensions folded into rows) and its format's options. Each storage class
+declares its buffers once, in `layout()`: for every buffer its name, dtype, shape, and the axis
+along which it follows the tensor's rows (or that it is tensor-wide: one value for all rows).
+Slicing rows, concatenating row pieces back, validating incoming buffers, pickling, safetensors and
+`__tensor_flatten__` all derive from that one declaration; a format writes only its numerics
+(`dequantize`, and `to_direction` where it can rebuild the other direction).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .numerics import ceil_div
 
 DIRECTIONS = ("rowwise", "columnwise")
 
 STORAGE_CLASSES: dict[str, type["Storage"]] = {}
 
 
+@dataclass(frozen=True)
+class Buffer:
+    """One buffer of a storage as its layout declares it.
+
+    `row_axis` is the axis along which the buffer follows the rows of the tensor's 2-D view, and
+    `rows_per_entry` how many of those rows one index along it covers (32 for MXFP8 columnwise
+    scales, 2 for NVFP4 columnwise bytes). `rows_padded_to` > 1 means the buffer covers the rows
+    zero-padded to that multiple (NVFP4 columnwise with the Hadamard transform). `row_axis=None`
+    marks a tensor-wide buffer: one value for all rows (Float8's `scale_inv`, NVFP4's `global_amax`),
+    shared by every row slice.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    row_axis: int | None = 0
+    rows_per_entry: int = 1
+    rows_padded_to: int = 1
+
+    @property
+    def tensor_wide(self) -> bool:
+        return self.row_axis is None
+
+    def entries(self, rows: int) -> int:
+        """How many indices along the row axis `rows` rows occupy."""
+        padded = ceil_div(rows, self.rows_padded_to) * self.rows_padded_to
+        return ceil_div(padded, self.rows_per_entry)
+
+
 class Storage:
-    """Base class. Subclasses declare their tensor buffers and plain attributes by name."""
+    """Base class. A subclass sets `format_name`, `directions` and `option_values` (each format
+    option besides direction and size, e.g. `fp8_dtype`, with the values it may take) and implements
+    `layout`, `dequantize` and, where it can, `to_direction`."""
 
     format_name: str = ""
-    tensor_data_names: tuple[str, ...] = ()
-    # Buffers that describe the whole tensor (a per-tensor scale), shared by every row slice.
-    tensor_wide_names: tuple[str, ...] = ()
-    tensor_attribute_names: tuple[str, ...] = ("direction", "rows", "cols")
+    directions: tuple[str, ...] = DIRECTIONS
+    option_values: dict[str, tuple] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -32,67 +67,89 @@ class Storage:
         if "format_name" in cls.__dict__:
             STORAGE_CLASSES[cls.format_name] = cls
 
-    def __init__(self, **fields):
-        names = set(self.tensor_data_names) | set(self.tensor_attribute_names)
-        if set(fields) != names:
-            raise TypeError(f"{type(self).__name__} takes exactly {sorted(names)}, got {sorted(fields)}")
+    def __init__(self, *, direction: str, rows: int, cols: int, row_slice: bool = False, **fields):
+        self.direction, self.rows, self.cols = direction, rows, cols
+        # True for a storage made by slicing rows out of a larger one: its tensor-wide buffers cover
+        # rows it does not hold, so nothing may requantize them (ops.copy_ refuses).
+        self.row_slice = row_slice
+        layout = self.layout(direction, rows, cols, **{name: fields.get(name) for name in self.option_names()})
+        expected = set(self.option_names()) | {buffer.name for buffer in layout}
+        if set(fields) != expected:
+            raise TypeError(f"{type(self).__name__} takes {sorted(expected)}, got {sorted(fields)}")
         for name, value in fields.items():
             setattr(self, name, value)
 
-    # ---- what every format implements -------------------------------------------------------
+    # ---- what every format declares and implements -------------------------------------------
+    @classmethod
+    def layout(cls, direction: str, rows: int, cols: int, **options) -> tuple[Buffer, ...]:
+        """The buffers of a storage of this format for a `[rows, cols]` view, in a fixed order."""
+        raise NotImplementedError
+
     def dequantize(self) -> torch.Tensor:
         """fp32 values in the `[rows, cols]` orientation, whatever the direction."""
         raise NotImplementedError
-
-    def slice_rows(self, start: int, stop: int) -> "Storage":
-        """The storage of rows `[start, stop)` of the 2-D view, sharing memory where it can."""
-        raise NotImplementedError
-
-    # ---- generic ------------------------------------------------------------------------------
-    @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self.tensor_data_names}
-
-    @property
-    def attributes(self) -> dict:
-        return {name: getattr(self, name) for name in self.tensor_attribute_names}
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.buffers.values())).device
-
-    def map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor], **attribute_changes) -> "Storage":
-        """A new storage of the same kind with `fn` applied to every buffer."""
-        fields = {name: fn(buffer) for name, buffer in self.buffers.items()}
-        fields.update(self.attributes)
-        fields.update(attribute_changes)
-        return type(self)(**fields)
-
-    def same_layout(self, other: "Storage") -> bool:
-        """True when `other` holds buffers of the same kind, shapes and dtypes (byte-copyable)."""
-        if type(self) is not type(other) or self.attributes != other.attributes:
-            return False
-        return all(
-            mine.shape == theirs.shape and mine.dtype == theirs.dtype
-            for mine, theirs in zip(self.buffers.values(), other.buffers.values())
-        )
-
-    def copy_from(self, other: "Storage") -> None:
-        """Byte-for-byte copy of `other`'s buffers into this storage's, in place."""
-        for mine, theirs in zip(self.buffers.values(), other.buffers.values()):
-            mine.copy_(theirs)
-
-    def is_row_slice(self) -> bool:
-        """True when this storage views part of a larger one (a split or slice of a tensor)."""
-        data = self.buffers[self.tensor_data_names[0]]
-        return data.untyped_storage().nbytes() > data.numel() * data.element_size()
 
     def to_direction(self, direction: str) -> "Storage | None":
         """This storage re-laid out for the other direction, or None when the format cannot."""
         return self if direction == self.direction else None
 
-    def check_row_split(self, start: int, stop: int, block: int) -> None:
-        """DESIGN.md §3: a row range of a block format must start and end on block boundaries."""
+    # ---- derived from the layout --------------------------------------------------------------
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(cls.option_values)
+
+    @classmethod
+    def check_options(cls, direction, options: dict, where: str) -> None:
+        """ValueError unless `direction` and `options` are ones this format declares."""
+        if direction not in cls.directions:
+            raise ValueError(f"{where}: a {cls.format_name} storage has direction {cls.directions}, got {direction!r}.")
+        if set(options) != set(cls.option_values):
+            raise ValueError(f"{where}: a {cls.format_name} storage has options {sorted(cls.option_values)}, got {sorted(options)}.")
+        for name, value in options.items():
+            # `is`: True must not pass for 1, nor a dtype for its name.
+            if not any(value is allowed for allowed in cls.option_values[name]):
+                raise ValueError(f"{where}.{name}: {value!r} is not one of {list(cls.option_values[name])}.")
+
+    @property
+    def options(self) -> dict:
+        return {name: getattr(self, name) for name in self.option_names()}
+
+    def buffer_specs(self) -> tuple[Buffer, ...]:
+        return self.layout(self.direction, self.rows, self.cols, **self.options)
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {spec.name: getattr(self, spec.name) for spec in self.buffer_specs()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.buffers.values())).device
+
+    def rebuilt(self, buffers: dict[str, torch.Tensor], *, rows: int | None = None, row_slice: bool = False) -> "Storage":
+        """A storage of this kind, direction and options over other buffers (and row count)."""
+        return type(self)(
+            direction=self.direction,
+            rows=self.rows if rows is None else rows,
+            cols=self.cols,
+            row_slice=row_slice,
+            **self.options,
+            **buffers,
+        )
+
+    def map_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Storage":
+        """A new storage of the same kind with `fn` applied to every buffer (no longer a slice:
+        `fn` makes new tensors, or keeps these when it returns them, slice flag included)."""
+        mapped = {name: fn(buffer) for name, buffer in self.buffers.items()}
+        same = all(mapped[name] is buffer for name, buffer in self.buffers.items())
+        return self.rebuilt(mapped, row_slice=self.row_slice and same)
+
+    def row_block(self) -> int:
+        """Row ranges must start and end on multiples of this (DESIGN.md §3: block boundaries)."""
+        return max([max(b.rows_per_entry, b.rows_padded_to) for b in self.buffer_specs() if not b.tensor_wide] or [1])
+
+    def slice_rows(self, start: int, stop: int) -> "Storage":
+        """The storage of rows `[start, stop)` of the 2-D view, sharing memory with this one."""
+        block = self.row_block()
         for edge in (start, stop):
             if edge % block and edge != self.rows:
                 raise ValueError(
@@ -100,6 +157,78 @@ class Storage:
                     f"[{start}, {stop}) of a tensor with {self.rows} rows (2-D view "
                     f"[{self.rows}, {self.cols}]) breaks a block. Split at multiples of {block} rows."
                 )
+        pieces = {}
+        for spec in self.buffer_specs():
+            buffer = getattr(self, spec.name)
+            if spec.tensor_wide:
+                pieces[spec.name] = buffer
+            else:
+                first, last = spec.entries(start), spec.entries(stop)
+                pieces[spec.name] = buffer.narrow(spec.row_axis, first, last - first)
+        whole = start == 0 and stop == self.rows
+        return self.rebuilt(pieces, rows=stop - start, row_slice=self.row_slice or not whole)
+
+    @classmethod
+    def cat_rows(cls, pieces: list["Storage"]) -> "Storage":
+        """Row pieces (in order) back into one storage: what an all-gather of row shards produces.
+
+        Every piece but the last must end on a block boundary, and all must hold the same
+        tensor-wide buffers (one scale for the whole tensor).
+        """
+        first = pieces[0]
+        for index, piece in enumerate(pieces):
+            if type(piece) is not type(first) or (piece.direction, piece.cols, piece.options) != (
+                first.direction,
+                first.cols,
+                first.options,
+            ):
+                raise ValueError(f"cat_rows: piece {index} ({piece!r}) is not the same kind of storage as piece 0 ({first!r}).")
+            if index < len(pieces) - 1 and piece.rows % first.row_block():
+                raise ValueError(
+                    f"cat_rows: piece {index} has {piece.rows} rows; every piece but the last must hold a "
+                    f"multiple of {first.row_block()} rows ({first.format_name} {first.direction} blocks)."
+                )
+        joined = {}
+        for spec in first.buffer_specs():
+            buffers = [getattr(piece, spec.name) for piece in pieces]
+            if spec.tensor_wide:
+                if any(b is not buffers[0] and not torch.equal(b, buffers[0]) for b in buffers):
+                    raise ValueError(
+                        f"cat_rows: the pieces hold different {spec.name} values; rows quantized with "
+                        "different tensor-wide scales cannot form one tensor. Quantize them with one scale."
+                    )
+                joined[spec.name] = buffers[0]
+            else:
+                joined[spec.name] = torch.cat(buffers, dim=spec.row_axis)
+        return first.rebuilt(joined, rows=sum(piece.rows for piece in pieces))
+
+    @classmethod
+    def check_buffers(cls, buffers: dict[str, torch.Tensor], direction: str, rows: int, cols: int, options: dict, where: str = "") -> None:
+        """ValueError naming the buffer unless `buffers` are exactly what the layout declares."""
+        specs = cls.layout(direction, rows, cols, **options)
+        expected = {spec.name for spec in specs}
+        if set(buffers) != expected:
+            missing, extra = sorted(expected - set(buffers)), sorted(set(buffers) - expected)
+            raise ValueError(
+                f"{where or cls.format_name}: a {cls.format_name} {direction} storage holds buffers "
+                f"{sorted(expected)}; missing {missing}, unexpected {extra}."
+            )
+        for spec in specs:
+            buffer = buffers[spec.name]
+            if buffer.dtype != spec.dtype or tuple(buffer.shape) != spec.shape:
+                raise ValueError(
+                    f"{where}{spec.name}: expected {spec.dtype} of shape {list(spec.shape)} for a "
+                    f"{cls.format_name} {direction} storage of a [{rows}, {cols}] view, got "
+                    f"{buffer.dtype} of shape {list(buffer.shape)}."
+                )
+
+    def same_layout(self, other: "Storage") -> bool:
+        """True when `other` holds buffers of the same kind, shapes and dtypes (byte-copyable)."""
+        return type(self) is type(other) and self.describe() == other.describe() and (self.rows, self.cols) == (other.rows, other.cols)
+
+    def describe(self) -> tuple:
+        """Hashable description of everything but the buffers and the size: format, direction, options."""
+        return (self.format_name, self.direction, tuple(self.options.items()))
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{n}={tuple(b.shape)}:{str(b.dtype).replace('torch.', '')}" for n, b in self.buffers.items())

@@ -4,23 +4,34 @@ Dispatch (DESIGN.md §3): every class has an op table filled by `@Cls.implements
 in the table (searched along the class's MRO) runs its handler; any other op sees the dequantized
 value and returns plain tensors, and an op that writes into a quantized tensor requantizes the
 result into it.
+
+The buffer contract (storage.py) gives every tensor one flat dict of named buffers plus metadata
+(`to_buffers` / `from_buffers`); pickling, checkpoints and `__tensor_flatten__` are built on it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_map
 
-from .numerics import cast_saturating
-from .quantizer import Quantizer, quantizer_from_dict, quantizer_to_dict
+from .numerics import FP8_DTYPES, cast_saturating
+from .quantizer import DTYPES_BY_NAME, Quantizer, decode_value, encode_value, quantizer_from_dict, quantizer_to_dict
 from .storage import DIRECTIONS, STORAGE_CLASSES, Storage
 
 TENSOR_CLASSES: dict[str, type["QuantizedTensor"]] = {}
 
-_DTYPES_BY_NAME = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+LOGICAL_DTYPES = {name: DTYPES_BY_NAME[name] for name in ("float32", "bfloat16", "float16")} | {"float64": torch.float64}
+
+_NO_SINGLE_STORAGE = (
+    "{cls} keeps its values in several low-precision buffers (data, scales) and has no single "
+    "storage or data pointer, so safetensors.torch and Hugging Face save_pretrained cannot write it. "
+    "Save it with qtensor.save_model(model, path), or qtensor.save_file(tensors, path) for a dict of "
+    "tensors; q.dequantize() gives a plain tensor."
+)
 
 
 class QuantizedTensor(torch.Tensor):
@@ -66,6 +77,10 @@ class QuantizedTensor(torch.Tensor):
 
         if func is torch.Tensor.__setitem__ and isinstance(args[0], QuantizedTensor):
             return args[0].assign(args[1], args[2])
+        if func is torch.Tensor.storage:
+            # safetensors (and with it save_pretrained) asks for this after untyped_storage() of a
+            # wrapper failed; torch itself no longer does. Say what to use instead.
+            raise TypeError(_NO_SINGLE_STORAGE.format(cls=type(args[0]).__name__))
         return torch_function(func, args, kwargs)
 
     def assign(self, index, value) -> None:
@@ -105,12 +120,8 @@ class QuantizedTensor(torch.Tensor):
 
     def storage_nbytes(self) -> int:
         """Bytes held by all buffers of both directions (a buffer shared by both counted once)."""
-        unique = {}
-        for storage in (self.rowwise, self.columnwise):
-            if storage is not None:
-                for buffer in storage.buffers.values():
-                    unique[id(buffer)] = buffer.numel() * buffer.element_size()
-        return sum(unique.values())
+        buffers, _ = self.to_buffers(quantizer_state=False)
+        return sum(buffer.numel() * buffer.element_size() for buffer in buffers.values())
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         """Drop a direction (False) or rebuild a missing one (True) where the format can."""
@@ -160,6 +171,17 @@ class QuantizedTensor(torch.Tensor):
             columnwise = fn(self.columnwise)
         return self.with_storages(rowwise, columnwise, **kwargs)
 
+    def map_buffers(self, fn, **kwargs) -> "QuantizedTensor":
+        """Apply `fn` once to every buffer (a tensor-wide buffer both directions share stays shared)."""
+        done: dict[int, torch.Tensor] = {}
+
+        def once(buffer):
+            if id(buffer) not in done:
+                done[id(buffer)] = fn(buffer)
+            return done[id(buffer)]
+
+        return self.map_storages(lambda storage: storage.map_buffers(once), **kwargs)
+
     def __repr__(self) -> str:
         directions = ", ".join(
             f"{d}={getattr(self, d).format_name if getattr(self, d) is not None else None}" for d in DIRECTIONS
@@ -169,65 +191,76 @@ class QuantizedTensor(torch.Tensor):
             f"{directions}, quantizer={self.quantizer!r})"
         )
 
-    # ---- serialization: one flat dict of buffers + JSON metadata ------------------------------
-    def flatten(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Buffers named `<direction>.<field>` and JSON-able metadata that rebuild this tensor."""
-        metadata = {
-            "tensor_class": type(self).__name__,
-            "shape": list(self.shape),
-            "dtype": str(self.dtype),
-            "quantizer": quantizer_to_dict(self.quantizer),
-        }
+    # ---- the buffer contract: one flat dict of named buffers plus JSON metadata ------------------
+    def shared_buffer_names(self) -> tuple[str, ...]:
+        """Tensor-wide buffers that both directions hold as one tensor (Float8's `scale_inv`,
+        NVFP4's `global_amax` without the Hadamard transform)."""
+        rowwise, columnwise = self.rowwise, self.columnwise
+        if rowwise is None or columnwise is None or rowwise is columnwise or type(rowwise) is not type(columnwise):
+            return ()
+        return tuple(
+            spec.name
+            for spec in rowwise.buffer_specs()
+            if spec.tensor_wide and getattr(rowwise, spec.name) is getattr(columnwise, spec.name)
+        )
+
+    def to_buffers(self, *, quantizer_state: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+        """Every buffer once, and the JSON-able metadata that rebuilds this tensor (`from_buffers`).
+
+        Buffers are named `<direction>.<name>`; a tensor-wide buffer both directions share is named
+        `<name>` alone; the quantizer's running state (delayed scaling) is `quantizer.<name>`.
+        """
+        plan = _TensorPlan.of(self)
         buffers = {}
         for direction in DIRECTIONS:
             storage = getattr(self, direction)
-            if storage is None:
-                metadata[direction] = None
-            elif direction == "columnwise" and storage is self.rowwise:
-                metadata[direction] = "rowwise"
-            else:
-                metadata[direction] = {"format": storage.format_name, **storage.attributes}
-                buffers.update({f"{direction}.{name}": b for name, b in storage.buffers.items()})
-        return buffers, metadata
+            if storage is None or (direction == "columnwise" and storage is self.rowwise):
+                continue
+            for name, buffer in storage.buffers.items():
+                buffers[name if name in plan.shared else f"{direction}.{name}"] = buffer
+        if quantizer_state:
+            buffers.update({f"quantizer.{name}": b for name, b in self.quantizer.state_buffers().items()})
+        return buffers, plan.metadata(self.quantizer)
 
     @staticmethod
-    def unflatten(buffers: dict[str, torch.Tensor], metadata: dict, quantizer: Quantizer | None = None) -> "QuantizedTensor":
-        """Inverse of `flatten`; builds only classes registered by qtensor itself. `quantizer`, when
-        given, is used as is instead of rebuilding one from the metadata."""
-        cls = _lookup(TENSOR_CLASSES, metadata["tensor_class"], "tensor class")
-        storages = {}
-        for direction in DIRECTIONS:
-            entry = metadata[direction]
-            if entry is None or entry == "rowwise":
-                storages[direction] = storages.get(entry)
-                continue
-            storage_cls = _lookup(STORAGE_CLASSES, entry["format"], "storage format")
-            fields = {k: v for k, v in entry.items() if k != "format"}
-            fields.update({name: buffers[f"{direction}.{name}"] for name in storage_cls.tensor_data_names})
-            storages[direction] = storage_cls(**fields)
-        dtype = _lookup(_DTYPES_BY_NAME, metadata["dtype"], "dtype")
-        quantizer = quantizer or quantizer_from_dict(metadata["quantizer"])
-        return cls(torch.Size(metadata["shape"]), dtype, storages["rowwise"], storages["columnwise"], quantizer)
+    def from_buffers(
+        buffers: dict[str, torch.Tensor], metadata: dict, *, quantizer: Quantizer | None = None, where: str = ""
+    ) -> "QuantizedTensor":
+        """Inverse of `to_buffers`. Every name, dtype and shape is checked against the metadata and
+        the formats' declared layouts; anything else raises ValueError naming `where` and the key.
+        Only qtensor's own classes are built. A `quantizer` given is used as is."""
+        plan = _TensorPlan.parse(metadata, where)
+        if quantizer is None:
+            quantizer = quantizer_from_dict(metadata["quantizer"], f"{where}quantizer")
+            state = {name.removeprefix("quantizer."): b for name, b in buffers.items() if name.startswith("quantizer.")}
+            quantizer.load_state_buffers(state, f"{where}quantizer.")
+        storage_buffers = {name: b for name, b in buffers.items() if not name.startswith("quantizer.")}
+        plan.check(quantizer, storage_buffers, where)
+        return plan.assemble(storage_buffers, quantizer)
 
-    # torch's traceable-subclass protocol: nn.Module._apply (module.to/cuda/half) then swaps the
-    # parameter with the converted tensor instead of assigning .data, which would keep stale storages.
+    # torch's traceable-subclass protocol (torch.compile, and nn.Module._apply, which then swaps the
+    # parameter instead of assigning .data). The context compares by value and holds no shape (it
+    # comes back as outer_size), no tensors and no per-step state, so compiled code can guard on it.
     def __tensor_flatten__(self):
-        buffers, metadata = self.flatten()
-        return [name.replace(".", "__") for name in buffers], (metadata, self.quantizer, self.linear_quantizers)
+        buffers, _ = self.to_buffers(quantizer_state=False)
+        return [name.replace(".", "__") for name in buffers], (_TensorPlan.of(self).key(), self.quantizer, self.linear_quantizers)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
-        metadata, quantizer, linear_quantizers = context
+        key, quantizer, linear_quantizers = context
         buffers = {name.replace("__", "."): tensor for name, tensor in inner_tensors.items()}
-        result = QuantizedTensor.unflatten(buffers, metadata, quantizer)
+        result = _TensorPlan.from_key(key, outer_size).assemble(buffers, quantizer)
         result.linear_quantizers = linear_quantizers
         return result
 
     def __getattr__(self, name):
-        # The inner tensors __tensor_flatten__ names: "rowwise__data" is self.rowwise.data.
+        # The inner tensors __tensor_flatten__ names: "rowwise__data" is self.rowwise.data, a shared
+        # tensor-wide "scale_inv" is self.rowwise.scale_inv.
         direction, separator, field = name.partition("__")
-        storage = self.__dict__.get(direction) if separator and direction in DIRECTIONS else None
-        if storage is not None and field in storage.tensor_data_names:
+        if not separator:
+            direction, field = "rowwise", name
+        storage = self.__dict__.get(direction) if direction in DIRECTIONS else None
+        if storage is not None and field in storage.buffers:
             return getattr(storage, field)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
@@ -235,10 +268,13 @@ class QuantizedTensor(torch.Tensor):
         if self.__dict__.get("_is_param"):
             # A parameter of a pickled module: keep it a parameter with its layer's quantizers.
             return _rebuild_parameter, (self.detach(), self.requires_grad, self.linear_quantizers)
-        buffers, metadata = self.flatten()
-        # A split piece views its parent's buffers; save only its own bytes.
-        buffers = {name: b.clone() if b.untyped_storage().nbytes() > b.nbytes else b for name, b in buffers.items()}
-        return _rebuild_quantized_tensor, (json.dumps(metadata), buffers)
+        buffers, metadata = self.to_buffers()
+        # Only this tensor's own bytes (a split piece views its parent's), and FP8 buffers as their
+        # bytes: plain pickle cannot carry float8 dtypes; the rebuild views them back.
+        payload = {name: own_bytes(buffer) for name, buffer in buffers.items()}
+        fp8 = {name: str(b.dtype).removeprefix("torch.") for name, b in payload.items() if b.dtype in FP8_DTYPES}
+        payload = {name: b.view(torch.uint8) if name in fp8 else b for name, b in payload.items()}
+        return _rebuild_quantized_tensor, (json.dumps(metadata), payload, fp8)
 
     # ---- dispatch -----------------------------------------------------------------------------
     @classmethod
@@ -262,14 +298,179 @@ class QuantizedTensor(torch.Tensor):
         return dequantized_fallback(func, args, kwargs)
 
 
-def _lookup(table: dict, name: str, what: str):
-    if name not in table:
-        raise ValueError(f"Unknown qtensor {what} {name!r}; the file was written by another version or is corrupt.")
+@dataclass(frozen=True)
+class _StoragePlan:
+    """What one direction's storage is, without its buffers or size."""
+
+    cls: type
+    direction: str
+    options: tuple  # ((name, value), ...)
+    row_slice: bool = False
+
+    def build(self, buffers: dict[str, torch.Tensor], prefix: str, shared: tuple, rows: int, cols: int) -> Storage:
+        names = [spec.name for spec in self.cls.layout(self.direction, rows, cols, **dict(self.options))]
+        fields = {name: buffers[name if name in shared else prefix + name] for name in names}
+        return self.cls(direction=self.direction, rows=rows, cols=cols, row_slice=self.row_slice, **dict(self.options), **fields)
+
+
+@dataclass(frozen=True)
+class _TensorPlan:
+    """A quantized tensor without its buffers: class, logical shape and dtype, what each direction
+    holds and which tensor-wide buffers they share. `key()` (no shape) is the flatten context."""
+
+    cls: type
+    shape: tuple
+    dtype: torch.dtype
+    rowwise: _StoragePlan | None
+    columnwise: _StoragePlan | str | None  # "rowwise": the same storage serves both directions
+    shared: tuple[str, ...]
+
+    @staticmethod
+    def of(tensor: QuantizedTensor) -> "_TensorPlan":
+        def plan(storage):
+            return None if storage is None else _StoragePlan(type(storage), storage.direction, tuple(storage.options.items()), storage.row_slice)
+
+        same = tensor.columnwise is not None and tensor.columnwise is tensor.rowwise
+        return _TensorPlan(
+            type(tensor),
+            tuple(tensor.shape),
+            tensor.dtype,
+            plan(tensor.rowwise),
+            "rowwise" if same else plan(tensor.columnwise),
+            tensor.shared_buffer_names(),
+        )
+
+    def key(self) -> tuple:
+        return (self.cls, self.dtype, self.rowwise, self.columnwise, self.shared)
+
+    @staticmethod
+    def from_key(key: tuple, outer_size) -> "_TensorPlan":
+        cls, dtype, rowwise, columnwise, shared = key
+        return _TensorPlan(cls, tuple(outer_size), dtype, rowwise, columnwise, shared)
+
+    def assemble(self, buffers: dict[str, torch.Tensor], quantizer: Quantizer) -> QuantizedTensor:
+        rows, cols = math.prod(self.shape[:-1]), self.shape[-1]
+        rowwise = self.rowwise.build(buffers, "rowwise.", self.shared, rows, cols) if self.rowwise else None
+        if self.columnwise == "rowwise":
+            columnwise = rowwise
+        elif self.columnwise is not None:
+            # A shared tensor-wide buffer is looked up by its bare name: both get the one tensor.
+            columnwise = self.columnwise.build(buffers, "columnwise.", self.shared, rows, cols)
+        else:
+            columnwise = None
+        return self.cls(torch.Size(self.shape), self.dtype, rowwise, columnwise, quantizer)
+
+    # ---- JSON form, and its validation ---------------------------------------------------------
+    def metadata(self, quantizer: Quantizer) -> dict:
+        def describe(plan):
+            if plan is None or isinstance(plan, str):
+                return plan
+            options = {name: encode_value(value) for name, value in plan.options}
+            return {"format": plan.cls.format_name, "direction": plan.direction, **options}
+
+        return {
+            "tensor": self.cls.__name__,
+            "shape": list(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantizer": quantizer_to_dict(quantizer),
+            "rowwise": describe(self.rowwise),
+            "columnwise": describe(self.columnwise),
+            "shared": list(self.shared),
+        }
+
+    @staticmethod
+    def parse(metadata, where: str) -> "_TensorPlan":
+        """The plan a tensor's JSON metadata describes; ValueError for anything malformed."""
+        keys = {"tensor", "shape", "dtype", "quantizer", "rowwise", "columnwise", "shared"}
+        if not isinstance(metadata, dict) or set(metadata) != keys:
+            found = sorted(metadata) if isinstance(metadata, dict) else type(metadata).__name__
+            raise ValueError(f"{where}metadata: expected the keys {sorted(keys)}, got {found}.")
+        cls = _lookup(TENSOR_CLASSES, metadata["tensor"], f"{where}tensor", "tensor class")
+        shape = metadata["shape"]
+        if not isinstance(shape, list) or not shape or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"{where}shape: expected a list of one or more sizes >= 0, got {shape!r}.")
+        dtype = _lookup(LOGICAL_DTYPES, metadata["dtype"], f"{where}dtype", "logical dtype")
+
+        def storage_plan(direction):
+            entry = metadata[direction]
+            if entry is None or (direction == "columnwise" and entry == "rowwise"):
+                return entry
+            if not isinstance(entry, dict) or not isinstance(entry.get("format"), str):
+                raise ValueError(f"{where}{direction}: expected null, a storage description or (columnwise) \"rowwise\", got {entry!r}.")
+            storage_cls = _lookup(STORAGE_CLASSES, entry["format"], f"{where}{direction}.format", "storage format")
+            options = {k: decode_value(v, f"{where}{direction}.{k}") for k, v in entry.items() if k not in ("format", "direction")}
+            storage_cls.check_options(entry.get("direction"), options, f"{where}{direction}")
+            return _StoragePlan(storage_cls, entry["direction"], tuple((n, options[n]) for n in storage_cls.option_names()))
+
+        rowwise, columnwise = storage_plan("rowwise"), storage_plan("columnwise")
+        if rowwise is None and columnwise is None:
+            raise ValueError(f"{where}: a quantized tensor holds at least one direction; both are null.")
+        if columnwise == "rowwise" and (rowwise is None or rowwise.direction != "both"):
+            raise ValueError(f'{where}columnwise: "rowwise" (one storage for both) needs a rowwise storage of direction "both".')
+        for direction, plan in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if isinstance(plan, _StoragePlan) and plan.direction not in (direction, "both"):
+                raise ValueError(f"{where}{direction}.direction: {plan.direction!r} is not {direction!r}.")
+        shared = metadata["shared"]
+        if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
+            raise ValueError(f"{where}shared: expected a list of buffer names, got {shared!r}.")
+        if shared:
+            if not (isinstance(rowwise, _StoragePlan) and isinstance(columnwise, _StoragePlan) and rowwise.cls is columnwise.cls):
+                raise ValueError(f"{where}shared: only two storages of one format can share buffers, got {shared!r}.")
+            rows, cols = math.prod(shape[:-1]), shape[-1]
+            tensor_wide = {s.name for s in rowwise.cls.layout("rowwise", rows, cols, **dict(rowwise.options)) if s.tensor_wide}
+            if not set(shared) <= tensor_wide:
+                raise ValueError(f"{where}shared: {sorted(set(shared) - tensor_wide)} are not tensor-wide buffers of {rowwise.cls.format_name}.")
+        return _TensorPlan(cls, tuple(shape), dtype, rowwise, columnwise, tuple(shared))
+
+    def check(self, quantizer: Quantizer, buffers: dict[str, torch.Tensor], where: str) -> None:
+        """The storages must be what `quantizer` makes and the buffers exactly what their layouts declare."""
+        if quantizer.tensor_class is not self.cls:
+            raise ValueError(f"{where}tensor: a {self.cls.__name__} cannot come from {quantizer!r}.")
+        for direction in DIRECTIONS:
+            plan = getattr(self, direction)
+            if isinstance(plan, _StoragePlan):
+                maker = quantizer.quantizer_for(direction)
+                if plan.cls.format_name != maker.format_name:
+                    raise ValueError(f"{where}{direction}.format: {plan.cls.format_name!r} storage, but {maker!r} makes {maker.format_name!r}.")
+        rows, cols = math.prod(self.shape[:-1]), self.shape[-1]
+        expected = {}
+        for direction in DIRECTIONS:
+            plan = getattr(self, direction)
+            if isinstance(plan, _StoragePlan):
+                for spec in plan.cls.layout(plan.direction, rows, cols, **dict(plan.options)):
+                    expected[spec.name if spec.name in self.shared else f"{direction}.{spec.name}"] = (spec, plan)
+        if set(buffers) != set(expected):
+            missing, extra = sorted(set(expected) - set(buffers)), sorted(set(buffers) - set(expected))
+            raise ValueError(f"{where}: buffers {sorted(expected)} expected; missing {missing}, unexpected {extra}.")
+        devices = {buffer.device for buffer in buffers.values()}
+        if len(devices) > 1:
+            raise ValueError(f"{where}: buffers lie on several devices {sorted(map(str, devices))}; move them to one.")
+        for name, (spec, plan) in expected.items():
+            buffer = buffers[name]
+            if buffer.dtype != spec.dtype or tuple(buffer.shape) != spec.shape:
+                raise ValueError(
+                    f"{where}{name}: expected {str(spec.dtype).removeprefix('torch.')} of shape "
+                    f"{list(spec.shape)} (a {plan.cls.format_name} {plan.direction} storage of a "
+                    f"[{rows}, {cols}] view), got {str(buffer.dtype).removeprefix('torch.')} of shape {list(buffer.shape)}."
+                )
+
+
+def own_bytes(buffer: torch.Tensor) -> torch.Tensor:
+    """`buffer` itself when it is contiguous and alone in its storage, else a compact copy."""
+    if buffer.is_contiguous() and buffer.untyped_storage().nbytes() == buffer.numel() * buffer.element_size():
+        return buffer
+    return buffer.contiguous().clone()
+
+
+def _lookup(table: dict, name, where: str, what: str):
+    if not isinstance(name, str) or name not in table:
+        raise ValueError(f"{where}: unknown qtensor {what} {name!r}; expected one of {sorted(table)}.")
     return table[name]
 
 
-def _rebuild_quantized_tensor(metadata_json: str, buffers: dict) -> QuantizedTensor:
-    return QuantizedTensor.unflatten(buffers, json.loads(metadata_json))
+def _rebuild_quantized_tensor(metadata_json: str, buffers: dict, fp8_dtypes: dict) -> QuantizedTensor:
+    buffers = {name: b.view(DTYPES_BY_NAME[fp8_dtypes[name]]) if name in fp8_dtypes else b for name, b in buffers.items()}
+    return QuantizedTensor.from_buffers(buffers, json.loads(metadata_json))
 
 
 def _rebuild_parameter(tensor: torch.Tensor, requires_grad: bool, linear_quantizers) -> torch.nn.Parameter:

@@ -266,7 +266,7 @@ def test_activation_checkpointing_with_delayed_scaling_replays_the_original_scal
     (plain_grads, plain_history), (checkpointed_grads, checkpointed_history) = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, checkpointed_grads))
     assert all(torch.equal(a, b) for a, b in zip(plain_history, checkpointed_history))
-    assert plain_history[0].numel() == 3  # one cast per step, recomputation recorded nothing
+    assert int((plain_history[0] >= 0).sum()) == 3  # one cast per step, recomputation recorded nothing
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])

@@ -5,6 +5,7 @@ import contextlib
 import torch
 
 from ..numerics import (
+    FP8_DTYPES,
     check_choice,
     check_fp8_dtype,
     finite_amax,
@@ -16,7 +17,7 @@ from ..numerics import (
     to_fp8,
 )
 from ..quantizer import Quantizer
-from ..storage import Storage
+from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
 
 
@@ -33,6 +34,9 @@ def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.
 
 _replaying = False
 
+# An amax history entry that no cast has filled yet (an amax is never negative).
+UNRECORDED = -1.0
+
 
 @contextlib.contextmanager
 def replaying_delayed_scales():
@@ -48,26 +52,30 @@ def replaying_delayed_scales():
 
 class Float8Storage(Storage):
     """Rowwise: `data` is `[rows, cols]`. Columnwise: `data` is the transpose `[cols, rows]` (the
-    layout an FP8 GEMM wants for the other reduction). Both share the 0-d fp32 `scale_inv`."""
+    layout an FP8 GEMM wants for the other reduction). `scale_inv` (0-d fp32) covers the whole
+    tensor; a tensor holding both directions holds it once, shared by both."""
 
     format_name = "float8"
-    tensor_wide_names = ("scale_inv",)
-    tensor_data_names = ("data", "scale_inv")
+    option_values = {"fp8_dtype": FP8_DTYPES}
+
+    @classmethod
+    def layout(cls, direction, rows, cols, fp8_dtype):
+        data = Buffer("data", fp8_dtype, (rows, cols), row_axis=0) if direction == "rowwise" else Buffer(
+            "data", fp8_dtype, (cols, rows), row_axis=1
+        )
+        return (data, Buffer("scale_inv", torch.float32, (), row_axis=None))
 
     def dequantize(self) -> torch.Tensor:
         values = dequantize_per_tensor(self.data, self.scale_inv)
         return values if self.direction == "rowwise" else values.t()
 
-    def slice_rows(self, start: int, stop: int) -> "Float8Storage":
-        data = self.data[start:stop] if self.direction == "rowwise" else self.data[:, start:stop]
-        return Float8Storage(data=data, scale_inv=self.scale_inv, direction=self.direction, rows=stop - start, cols=self.cols)
-
     def to_direction(self, direction: str) -> "Float8Storage":
         if direction == self.direction:
             return self
         # Same codes and scale either way: the other direction is the physical transpose.
-        return Float8Storage(
-            data=self.data.t().contiguous(), scale_inv=self.scale_inv, direction=direction, rows=self.rows, cols=self.cols
+        return type(self)(
+            direction=direction, rows=self.rows, cols=self.cols, fp8_dtype=self.fp8_dtype,
+            data=self.data.t().contiguous(), scale_inv=self.scale_inv,
         )
 
 
@@ -110,27 +118,35 @@ class Float8Quantizer(Quantizer):
         self.amax_history_len = amax_history_len
         self.amax_compute_algo = amax_compute_algo
         self.margin = margin
-        # Delayed scaling: amaxes of earlier casts, oldest first, at most amax_history_len of them,
-        # and the scale of the most recent recorded cast (replayed by activation recomputation).
-        self.amax_history = torch.zeros(0, dtype=torch.float32)
+        # Delayed scaling's running state: the amaxes of the last `amax_history_len` casts, oldest
+        # first, in a fixed-size fp32 buffer updated in place; -1 marks an entry no cast has filled
+        # yet (an amax is never negative). `last_scale` is the scale of the most recent recorded
+        # cast, replayed by activation recomputation.
+        self.amax_history = torch.full((amax_history_len,), UNRECORDED) if scaling == "delayed" else None
         self.last_scale = None
 
     def compute_scale(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 scale this quantizer would use for `x` now (DESIGN.md §2)."""
         if self.scaling == "current":
-            amax = finite_amax(x)
-            margin = 0
-        elif _replaying and self.last_scale is not None:
+            amax = torch.maximum(finite_amax(x), fp32(self.amax_epsilon, x.device))
+            return self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype)))
+        if _replaying and self.last_scale is not None:
             return self.last_scale.to(x.device)
-        else:
-            history = self.amax_history.to(x.device)
-            if history.numel() == 0:  # DESIGN.md §2: scale 1 until a cast has been recorded
-                return torch.ones((), dtype=torch.float32, device=x.device)
-            amax = history.max() if self.amax_compute_algo == "max" else history[-1]
-            margin = self.margin
-        amax = torch.maximum(amax, fp32(self.amax_epsilon, x.device))
-        scale = scale_from_amax(amax, fp8_max(self.fp8_dtype), margin)
+        history = self._history_on(x.device)
+        window_amax = history.max() if self.amax_compute_algo == "max" else history[-1]
+        amax = torch.maximum(window_amax, fp32(self.amax_epsilon, x.device))
+        scale = self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin))
+        # DESIGN.md §2: scale 1 until a cast has been recorded (chosen on the device: no host sync).
+        return torch.where(window_amax >= 0, scale, 1.0)
+
+    def _finish(self, scale: torch.Tensor) -> torch.Tensor:
         return round_down_pow2(scale) if self.force_pow_2_scales else scale
+
+    def _history_on(self, device: torch.device) -> torch.Tensor:
+        """The history, moved once to the device the data lives on (then updated there in place)."""
+        if self.amax_history.device != device:
+            self.amax_history = self.amax_history.to(device)
+        return self.amax_history
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         x = x.float()
@@ -141,19 +157,19 @@ class Float8Quantizer(Quantizer):
             self.record_amax(finite_amax(x))
             self.last_scale = scale
         rows, cols = x.shape
-        rowwise_storage = Float8Storage(data=data, scale_inv=scale_inv, direction="rowwise", rows=rows, cols=cols)
+        rowwise_storage = Float8Storage(
+            direction="rowwise", rows=rows, cols=cols, fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv
+        )
         return (
             rowwise_storage if rowwise else None,
             rowwise_storage.to_direction("columnwise") if columnwise else None,
         )
 
     def record_amax(self, amax: torch.Tensor) -> None:
-        """Append one cast's amax to the delayed-scaling history, dropping the oldest beyond its length."""
-        history = torch.cat([self.amax_history.to(amax.device), amax.reshape(1).float()])
-        self.amax_history = history[-self.amax_history_len :]
+        """Append one cast's amax to the delayed-scaling history, in place, dropping the oldest."""
+        history = self._history_on(amax.device)
+        history.copy_(torch.roll(history, -1))
+        history[-1:].copy_(amax.reshape(1))
 
-    def state_to_dict(self) -> dict:
-        return {"amax_history": self.amax_history.tolist()} if self.scaling == "delayed" else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.amax_history = torch.tensor(state.get("amax_history", []), dtype=torch.float32)
+    def state_buffers(self) -> dict[str, torch.Tensor]:
+        return {"amax_history": self.amax_history} if self.scaling == "delayed" else {}

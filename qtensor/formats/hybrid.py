@@ -49,3 +49,10 @@ class HybridQuantizer(Quantizer):
             source = cast_saturating(rowwise_storage.dequantize(), x.dtype) if from_rowwise else x
             _, columnwise_storage = self.columnwise._quantize_2d(source, False, True, update_state=update_state)
         return (rowwise_storage if rowwise else None), columnwise_storage
+
+    def quantizer_for(self, direction: str) -> Quantizer:
+        return getattr(self, direction)
+
+    def state_buffers(self) -> dict:
+        # Each child keeps its own running state (delayed scaling); named by the child's direction.
+        return {f"{direction}.{name}": buffer for direction in ("rowwise", "columnwise") for name, buffer in getattr(self, direction).state_buffers().items()}

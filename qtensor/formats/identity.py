@@ -3,21 +3,24 @@
 import torch
 
 from ..quantizer import INPUT_DTYPES, Quantizer
-from ..storage import Storage
+from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
 
 
 class IdentityStorage(Storage):
-    """`data` is the `[rows, cols]` tensor itself; `direction` is "both"."""
+    """`data` is the `[rows, cols]` tensor itself (in `dtype`); `direction` is "both": one storage
+    serves both directions."""
 
     format_name = "identity"
-    tensor_data_names = ("data",)
+    directions = ("both",)
+    option_values = {"dtype": INPUT_DTYPES}
+
+    @classmethod
+    def layout(cls, direction, rows, cols, dtype):
+        return (Buffer("data", dtype, (rows, cols), row_axis=0),)
 
     def dequantize(self) -> torch.Tensor:
         return self.data.to(torch.float32, copy=True)  # never an alias of the stored buffer
-
-    def slice_rows(self, start: int, stop: int) -> "IdentityStorage":
-        return IdentityStorage(data=self.data[start:stop], direction=self.direction, rows=stop - start, cols=self.cols)
 
     def to_direction(self, direction: str) -> "IdentityStorage":
         return self
@@ -40,5 +43,5 @@ class IdentityQuantizer(Quantizer):
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         data = x.to(self.dtype or x.dtype, copy=True).contiguous()
-        storage = IdentityStorage(data=data, direction="both", rows=x.shape[0], cols=x.shape[1])
+        storage = IdentityStorage(direction="both", rows=x.shape[0], cols=x.shape[1], dtype=data.dtype, data=data)
         return (storage if rowwise else None), (storage if columnwise else None)

@@ -3,6 +3,7 @@
 import torch
 
 from ..numerics import (
+    FP8_DTYPES,
     block_amax,
     ceil_div,
     check_choice,
@@ -14,7 +15,7 @@ from ..numerics import (
     to_fp8_saturating,
 )
 from ..quantizer import Quantizer
-from ..storage import Storage
+from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
 
 BLOCK_SIZE = 32
@@ -67,22 +68,21 @@ class MXFP8Storage(Storage):
     (blocks down a column)."""
 
     format_name = "mxfp8"
-    tensor_data_names = ("data", "scale_inv")
+    option_values = {"fp8_dtype": FP8_DTYPES}
+
+    @classmethod
+    def layout(cls, direction, rows, cols, fp8_dtype):
+        data = Buffer("data", fp8_dtype, (rows, cols), row_axis=0)
+        if direction == "rowwise":
+            scales = Buffer("scale_inv", torch.uint8, (rows, ceil_div(cols, BLOCK_SIZE)), row_axis=0)
+        else:
+            scales = Buffer("scale_inv", torch.uint8, (ceil_div(rows, BLOCK_SIZE), cols), row_axis=0, rows_per_entry=BLOCK_SIZE)
+        return (data, scales)
 
     def dequantize(self) -> torch.Tensor:
         if self.direction == "rowwise":
             return dequantize_row_blocks(self.data, self.scale_inv)
         return dequantize_row_blocks(self.data.t(), self.scale_inv.t()).t()
-
-    def slice_rows(self, start: int, stop: int) -> "MXFP8Storage":
-        if self.direction == "rowwise":
-            scale_inv = self.scale_inv[start:stop]
-        else:
-            self.check_row_split(start, stop, BLOCK_SIZE)
-            scale_inv = self.scale_inv[start // BLOCK_SIZE : ceil_div(stop, BLOCK_SIZE)]
-        return MXFP8Storage(
-            data=self.data[start:stop], scale_inv=scale_inv, direction=self.direction, rows=stop - start, cols=self.cols
-        )
 
 
 class MXFP8Tensor(QuantizedTensor):
@@ -106,13 +106,14 @@ class MXFP8Quantizer(Quantizer):
         # DESIGN.md §2: both directions come from the high-precision input, never one from the other.
         x = x.float()
         rows, cols = x.shape
+        common = dict(rows=rows, cols=cols, fp8_dtype=self.fp8_dtype)
         rowwise_storage = columnwise_storage = None
         if rowwise:
             data, codes = quantize_row_blocks(x, self.fp8_dtype, self.scale_rounding)
-            rowwise_storage = MXFP8Storage(data=data, scale_inv=codes, direction="rowwise", rows=rows, cols=cols)
+            rowwise_storage = MXFP8Storage(direction="rowwise", **common, data=data, scale_inv=codes)
         if columnwise:
             data, codes = quantize_row_blocks(x.t(), self.fp8_dtype, self.scale_rounding)
             columnwise_storage = MXFP8Storage(
-                data=data.t().contiguous(), scale_inv=codes.t().contiguous(), direction="columnwise", rows=rows, cols=cols
+                direction="columnwise", **common, data=data.t().contiguous(), scale_inv=codes.t().contiguous()
             )
         return rowwise_storage, columnwise_storage

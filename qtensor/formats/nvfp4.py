@@ -15,7 +15,7 @@ from ..numerics import (
     to_fp8_saturating,
 )
 from ..quantizer import Quantizer
-from ..storage import Storage
+from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
 
 BLOCK_SIZE = 16
@@ -137,42 +137,39 @@ class NVFP4Storage(Storage):
     Columnwise: the transposed tensor quantized along its rows, `data` [cols, ceil(rows/2)],
     `scale_inv` [cols, ceil(rows/16)]; with `rht` the rows are zero-padded to a multiple of 16
     before the transform and `data` covers the padding ([cols, 8*ceil(rows/16)]).
-    `global_amax` (0-d fp32) gives the tensor scale S_enc."""
+    `global_amax` (0-d fp32) gives the tensor scale S_enc; without `rht` both directions have the
+    same one, held once by a tensor that has both."""
 
     format_name = "nvfp4"
-    tensor_wide_names = ("global_amax",)
-    tensor_data_names = ("data", "scale_inv", "global_amax")
-    tensor_attribute_names = ("direction", "rows", "cols", "rht")
+    option_values = {"rht": (False, True)}
+
+    @classmethod
+    def layout(cls, direction, rows, cols, rht):
+        amax = Buffer("global_amax", torch.float32, (), row_axis=None)
+        if direction == "rowwise":
+            return (
+                Buffer("data", torch.uint8, (rows, ceil_div(cols, 2)), row_axis=0),
+                Buffer("scale_inv", torch.float8_e4m3fn, (rows, ceil_div(cols, BLOCK_SIZE)), row_axis=0),
+                amax,
+            )
+        # With the transform, the bytes cover the rows zero-padded to whole runs of 16.
+        pad = BLOCK_SIZE if rht else 1
+        stored_rows = ceil_div(rows, pad) * pad
+        return (
+            Buffer("data", torch.uint8, (cols, ceil_div(stored_rows, 2)), row_axis=1, rows_per_entry=2, rows_padded_to=pad),
+            Buffer("scale_inv", torch.float8_e4m3fn, (cols, ceil_div(rows, BLOCK_SIZE)), row_axis=1, rows_per_entry=BLOCK_SIZE),
+            amax,
+        )
 
     def dequantize(self) -> torch.Tensor:
         s_enc = encode_scale(self.global_amax)
         if self.direction == "rowwise":
             return dequantize_row_blocks(self.data, self.scale_inv, s_enc, self.cols)
-        stored_rows = self._stored_rows(self.rows)
+        stored_rows = 2 * self.data.shape[1] if self.rht else self.rows
         values = dequantize_row_blocks(self.data, self.scale_inv, s_enc, stored_rows)
         if self.rht:
             values = undo_rht(values)
         return values[:, : self.rows].t()
-
-    def _stored_rows(self, rows: int) -> int:
-        return BLOCK_SIZE * ceil_div(rows, BLOCK_SIZE) if self.rht else rows
-
-    def slice_rows(self, start: int, stop: int) -> "NVFP4Storage":
-        if self.direction == "rowwise":
-            data, scale_inv = self.data[start:stop], self.scale_inv[start:stop]
-        else:
-            self.check_row_split(start, stop, BLOCK_SIZE)
-            data = self.data[:, start // 2 : ceil_div(self._stored_rows(stop), 2)]
-            scale_inv = self.scale_inv[:, start // BLOCK_SIZE : ceil_div(stop, BLOCK_SIZE)]
-        return NVFP4Storage(
-            data=data,
-            scale_inv=scale_inv,
-            global_amax=self.global_amax,
-            direction=self.direction,
-            rows=stop - start,
-            cols=self.cols,
-            rht=self.rht,
-        )
 
 
 class NVFP4Tensor(QuantizedTensor):
@@ -227,7 +224,7 @@ class NVFP4Quantizer(Quantizer):
             amax = tiles.repeat_interleave(BLOCK_SIZE, 0)[:rows] if self.block_2d else block_amax(x, BLOCK_SIZE)
             data, scale_inv = quantize_row_blocks(x, s_enc, amax, generator, stochastic)
             rowwise_storage = NVFP4Storage(
-                data=data, scale_inv=scale_inv, global_amax=global_amax, direction="rowwise", **common
+                direction="rowwise", **common, data=data, scale_inv=scale_inv, global_amax=global_amax
             )
         if columnwise:
             x_t = x.t()
@@ -242,7 +239,7 @@ class NVFP4Quantizer(Quantizer):
                 amax = block_amax(x_t, BLOCK_SIZE)
             data, scale_inv = quantize_row_blocks(x_t, column_s_enc, amax, generator, stochastic)
             columnwise_storage = NVFP4Storage(
-                data=data, scale_inv=scale_inv, global_amax=column_amax, direction="columnwise", **common
+                direction="columnwise", **common, data=data, scale_inv=scale_inv, global_amax=column_amax
             )
         return rowwise_storage, columnwise_storage
 
