@@ -2,6 +2,7 @@
 
 from . import ops as _ops  # noqa: F401  (registers the format-independent dispatch ops)
 from . import optim, recipes
+from .checkpoint import load_file, load_model, save_file, save_model
 from .formats.float8 import Float8Quantizer, Float8Tensor
 from .formats.hybrid import HybridQuantizedTensor, HybridQuantizer
 from .formats.identity import IdentityQuantizer, IdentityTensor
@@ -20,6 +21,10 @@ __all__ = [
     "Recipe",
     "Role",
     "dequantize_",
+    "load_file",
+    "load_model",
+    "save_file",
+    "save_model",
     "optim",
     "quantize_",
     "recipes",

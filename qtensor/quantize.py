@@ -133,9 +133,50 @@ def _tied_reason(name: str, module: nn.Linear, owners: dict) -> str | None:
 
 def _install(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
     _install_weight(module, linear, weights)
-    # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
     module._qtensor_layer = (linear, weights)
-    module._qtensor_hook = module.register_load_state_dict_post_hook(_reinstall_after_load)
+    module._qtensor_hooks = [
+        # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
+        module.register_load_state_dict_post_hook(_reinstall_after_load),
+        # Running state (delayed-scaling amax histories) is part of the layer's state_dict.
+        module.register_state_dict_post_hook(_save_running_state),
+        module.register_load_state_dict_pre_hook(_load_running_state),
+    ]
+
+
+def running_state(module: nn.Linear) -> dict[str, torch.Tensor]:
+    """The live running-state tensors of a quantized layer's quantizers, by state_dict key suffix
+    (`input_quantizer.amax_history`). A quantized weight's entry carries its own quantizer's state,
+    so that role is left out when the weight is a QuantizedTensor."""
+    linear, _ = module._qtensor_layer
+    state = {}
+    for role, quantizer in linear.roles().items():
+        if quantizer is None or (role == "weight" and isinstance(module.weight, QuantizedTensor)):
+            continue
+        state.update({f"{role}_quantizer.{name}": buffer for name, buffer in quantizer.state_buffers().items()})
+    return state
+
+
+def _save_running_state(module, state_dict, prefix, local_metadata) -> None:
+    for suffix, buffer in running_state(module).items():
+        state_dict[prefix + suffix] = buffer.detach()
+
+
+def _load_running_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    for suffix, target in running_state(module).items():
+        key = prefix + suffix
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        source = state_dict.pop(key)  # consumed here, so load_state_dict does not call it unexpected
+        if not isinstance(source, torch.Tensor) or source.shape != target.shape:
+            error_msgs.append(f"{key}: expected a tensor of shape {list(target.shape)}, got {getattr(source, 'shape', type(source).__name__)}.")
+            continue
+        with torch.no_grad():
+            target.copy_(source)
+    # A quantized weight's saved quantizer state travels inside its entry.
+    weight, entry = module.weight, state_dict.get(prefix + "weight")
+    if isinstance(weight, QuantizedTensor) and isinstance(entry, QuantizedTensor) and entry.quantizer == weight.quantizer:
+        weight.quantizer.load_state_buffers(entry.quantizer.state_buffers(), f"{prefix}weight.quantizer.")
 
 
 def _reinstall_after_load(module: nn.Linear, incompatible_keys) -> None:
@@ -169,5 +210,6 @@ def dequantize_(model: nn.Module) -> None:
             else:
                 plain = weight.plain().detach().clone()
             module.weight = nn.Parameter(plain, requires_grad=weight.requires_grad)
-            module._qtensor_hook.remove()
-            del module._qtensor_hook, module._qtensor_layer
+            for hook in module._qtensor_hooks:
+                hook.remove()
+            del module._qtensor_hooks, module._qtensor_layer

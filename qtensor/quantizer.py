@@ -94,8 +94,8 @@ class Quantizer:
         These are the live tensors: writing into them changes the quantizer."""
         return {}
 
-    def load_state_buffers(self, buffers: dict[str, torch.Tensor], where: str = "") -> None:
-        """Copy saved running state into this quantizer's own buffers, in place (on their device)."""
+    def check_state_buffers(self, buffers: dict[str, torch.Tensor], where: str = "") -> None:
+        """ValueError unless `buffers` are exactly this quantizer's running state (names, dtypes, shapes)."""
         mine = self.state_buffers()
         if set(buffers) != set(mine):
             raise ValueError(
@@ -109,8 +109,13 @@ class Quantizer:
                     f"{where}{name}: expected {target.dtype} of shape {list(target.shape)} for {self!r}, "
                     f"got {source.dtype} of shape {list(source.shape)}."
                 )
-            with torch.no_grad():
-                target.copy_(source)
+
+    def load_state_buffers(self, buffers: dict[str, torch.Tensor], where: str = "") -> None:
+        """Copy saved running state into this quantizer's own buffers, in place (on their device)."""
+        self.check_state_buffers(buffers, where)
+        with torch.no_grad():
+            for name, target in self.state_buffers().items():
+                target.copy_(buffers[name])
 
     def __repr__(self) -> str:
         args = ", ".join(f"{name}={_format_value(value)}" for name, value in self.config().items())

@@ -226,17 +226,29 @@ class QuantizedTensor(torch.Tensor):
     def from_buffers(
         buffers: dict[str, torch.Tensor], metadata: dict, *, quantizer: Quantizer | None = None, where: str = ""
     ) -> "QuantizedTensor":
-        """Inverse of `to_buffers`. Every name, dtype and shape is checked against the metadata and
-        the formats' declared layouts; anything else raises ValueError naming `where` and the key.
-        Only qtensor's own classes are built. A `quantizer` given is used as is."""
+        """Inverse of `to_buffers`, checked as `check_buffers` says. A `quantizer` given is used as
+        is; otherwise a new one is built from the metadata with the saved running state."""
+        plan, built = QuantizedTensor.check_buffers(buffers, metadata, quantizer=quantizer, where=where)
+        if quantizer is None:
+            state = {name.removeprefix("quantizer."): b for name, b in buffers.items() if name.startswith("quantizer.")}
+            built.load_state_buffers(state, f"{where}quantizer.")
+        return plan.assemble({name: b for name, b in buffers.items() if not name.startswith("quantizer.")}, built)
+
+    @staticmethod
+    def check_buffers(buffers: dict[str, torch.Tensor], metadata: dict, *, quantizer: Quantizer | None = None, where: str = ""):
+        """ValueError naming `where` and the key unless `buffers` and `metadata` describe a valid
+        tensor: the metadata well formed, naming only qtensor's own classes, and every buffer's
+        name, dtype and shape what the formats' declared layouts say (meta tensors suffice: no data
+        is read). Returns the plan and the quantizer (a new one built from the metadata, unless given)."""
         plan = _TensorPlan.parse(metadata, where)
+        state = {name.removeprefix("quantizer."): b for name, b in buffers.items() if name.startswith("quantizer.")}
         if quantizer is None:
             quantizer = quantizer_from_dict(metadata["quantizer"], f"{where}quantizer")
-            state = {name.removeprefix("quantizer."): b for name, b in buffers.items() if name.startswith("quantizer.")}
-            quantizer.load_state_buffers(state, f"{where}quantizer.")
-        storage_buffers = {name: b for name, b in buffers.items() if not name.startswith("quantizer.")}
-        plan.check(quantizer, storage_buffers, where)
-        return plan.assemble(storage_buffers, quantizer)
+            quantizer.check_state_buffers(state, f"{where}quantizer.")
+        elif state:
+            raise ValueError(f"{where}: running state {sorted(state)} given with a quantizer; pass one or the other.")
+        plan.check(quantizer, {name: b for name, b in buffers.items() if not name.startswith("quantizer.")}, where)
+        return plan, quantizer
 
     # torch's traceable-subclass protocol (torch.compile, and nn.Module._apply, which then swaps the
     # parameter instead of assigning .data). The context compares by value and holds no shape (it
@@ -404,7 +416,7 @@ class _TensorPlan:
 
         rowwise, columnwise = storage_plan("rowwise"), storage_plan("columnwise")
         if rowwise is None and columnwise is None:
-            raise ValueError(f"{where}: a quantized tensor holds at least one direction; both are null.")
+            raise ValueError(f"{where.rstrip('. ') or 'tensor'}: a quantized tensor holds at least one direction; both are null.")
         if columnwise == "rowwise" and (rowwise is None or rowwise.direction != "both"):
             raise ValueError(f'{where}columnwise: "rowwise" (one storage for both) needs a rowwise storage of direction "both".')
         for direction, plan in (("rowwise", rowwise), ("columnwise", columnwise)):
@@ -441,10 +453,10 @@ class _TensorPlan:
                     expected[spec.name if spec.name in self.shared else f"{direction}.{spec.name}"] = (spec, plan)
         if set(buffers) != set(expected):
             missing, extra = sorted(set(expected) - set(buffers)), sorted(set(buffers) - set(expected))
-            raise ValueError(f"{where}: buffers {sorted(expected)} expected; missing {missing}, unexpected {extra}.")
+            raise ValueError(f"{where.rstrip('. ') or 'tensor'}: buffers {sorted(expected)} expected; missing {missing}, unexpected {extra}.")
         devices = {buffer.device for buffer in buffers.values()}
         if len(devices) > 1:
-            raise ValueError(f"{where}: buffers lie on several devices {sorted(map(str, devices))}; move them to one.")
+            raise ValueError(f"{where.rstrip('. ') or 'tensor'}: buffers lie on several devices {sorted(map(str, devices))}; move them to one.")
         for name, (spec, plan) in expected.items():
             buffer = buffers[name]
             if buffer.dtype != spec.dtype or tuple(buffer.shape) != spec.shape:

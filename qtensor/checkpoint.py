@@ -1,0 +1,418 @@
+"""safetensors checkpoints of quantized tensors and models (API.md "Checkpoints").
+
+A file is a plain safetensors file. A quantized tensor saved under `key` becomes the ordinary named
+tensors `key.<buffer>` of its buffer contract (`QuantizedTensor.to_buffers`), and its description
+(format, shape, logical dtype, directions, quantizer configuration) is JSON under the `qtensor` entry
+of the header's `__metadata__`. docs/checkpoint-format.md specifies the layout.
+
+Loading parses and checks the whole header before reading a byte of data: every name, dtype, shape
+and byte range, and every metadata field against the formats' declared layouts. Nothing is
+unpickled and no class named in the file is imported; only qtensor's own types are built. A bad file
+raises ValueError naming the key and the problem, and a failed `load_model` leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .linear import DynamicWeight
+from .tensor import QuantizedTensor, _TensorPlan, own_bytes
+
+FORMAT_VERSION = 1
+METADATA_KEY = "qtensor"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+# safetensors dtype codes this library reads: name -> (torch dtype, bytes per element)
+SAFETENSORS_DTYPES = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+
+
+# ---- tensors ------------------------------------------------------------------------------------
+def save_file(tensors: dict[str, torch.Tensor], filename, metadata: dict[str, str] | None = None) -> None:
+    """Write `tensors` to a safetensors file, quantized tensors as their low-precision buffers."""
+    _write(tensors, filename, _user_metadata(metadata), tied={})
+
+
+def load_file(filename, device="cpu") -> dict[str, torch.Tensor]:
+    """Read a file written by `save_file`/`save_model` (or any safetensors file): quantized tensors
+    come back as the same subclass, byte for byte; everything else as plain tensors."""
+    return _read(filename, device).tensors
+
+
+# ---- models -------------------------------------------------------------------------------------
+def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = None, max_shard_size=None) -> None:
+    """Write `model.state_dict()` (quantized weights, running state) with tied weights saved once.
+
+    With `max_shard_size` (bytes, or a string like "5GB") the model is written as Hugging Face-style
+    shards `<stem>-00001-of-0000N.safetensors` next to `filename`, plus `<filename>.index.json`
+    mapping every stored tensor to its shard (one shard: a single file, as Hugging Face does).
+    """
+    state = model.state_dict()
+    tied = _tied_names(model, state)
+    entries = {key: value for key, value in state.items() if key not in tied}
+    user = _user_metadata(metadata)
+    filename = os.fspath(filename)
+    shards = _plan_shards(entries, _parse_size(max_shard_size)) if max_shard_size is not None else [list(entries)]
+    _remove_stale_files(filename)
+    if len(shards) == 1:
+        _write(entries, filename, user, tied)
+        return
+    directory, base = os.path.split(filename)
+    stem = base.removesuffix(".safetensors")
+    weight_map, total = {}, 0
+    for index, keys in enumerate(shards, start=1):
+        shard_name = f"{stem}-{index:05d}-of-{len(shards):05d}.safetensors"
+        stored = _write({key: entries[key] for key in keys}, os.path.join(directory, shard_name), user, tied)
+        total += sum(_nbytes(t) for t in stored.values())
+        weight_map.update({name: shard_name for name in stored})
+    with open(filename + ".index.json", "w") as index_file:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, index_file, indent=2, sort_keys=True)
+
+
+def load_model(model: nn.Module, filename, strict: bool = True, device=None) -> tuple[list[str], list[str]]:
+    """Load a file (or the shards of `<filename>.index.json`) written by `save_model` into `model`.
+
+    Quantized parameters must hold the same format, configuration, directions and shape as the
+    file's (a model quantized with the same recipe); they are restored byte for byte. Every entry is
+    checked before anything is written, so a failed load leaves the model untouched. Returns the
+    (missing, unexpected) keys, as safetensors.torch.load_model does; with `strict` either raises.
+    """
+    read = _read_model_files(os.fspath(filename), device or "cpu")
+    loaded = dict(read.tensors)
+    # A weight saved once for several tied names serves each of them.
+    for alias, kept in read.tied.items():
+        if kept in loaded:
+            loaded.setdefault(alias, loaded[kept])
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in loaded]
+    unexpected = [key for key in loaded if key not in expected and key not in read.tied]
+    if strict and (missing or unexpected):
+        raise ValueError(f"load_model({filename!r}): missing keys {missing}, unexpected keys {unexpected}; nothing was loaded.")
+    for key in expected:
+        if key in loaded:
+            _check_loadable(key, expected[key], loaded[key])
+    model.load_state_dict({key: loaded[key] for key in expected if key in loaded}, strict=False)
+    return missing, unexpected
+
+
+def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> None:
+    """ValueError naming the parameter unless `source` can be restored exactly into `target`."""
+    if isinstance(target, QuantizedTensor) or isinstance(source, QuantizedTensor):
+        if not (isinstance(target, QuantizedTensor) and isinstance(source, QuantizedTensor)):
+            hint = (
+                "model.load_state_dict(qtensor.load_file(path)) loads its dequantized values"
+                if isinstance(source, QuantizedTensor)
+                else "model.load_state_dict(qtensor.load_file(path)) quantizes the plain values with the layer's quantizer"
+            )
+            raise ValueError(
+                f"{key}: the model holds {_describe(target)}, the file {_describe(source)}; load_model "
+                f"restores only the same format. {hint}."
+            )
+        same = _TensorPlan.of(target).key() == _TensorPlan.of(source).key() and target.shape == source.shape
+        if not same or target.quantizer != source.quantizer:
+            raise ValueError(
+                f"{key}: the model holds {_describe(target)}, the file {_describe(source)}. Quantize the model "
+                "with the recipe (and weights mode) it was saved with."
+            )
+    elif target.shape != source.shape:
+        raise ValueError(f"{key}: the model holds shape {list(target.shape)}, the file {list(source.shape)}.")
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    if isinstance(tensor, QuantizedTensor):
+        directions = "+".join(d for d in ("rowwise", "columnwise") if getattr(tensor, d) is not None)
+        return f"a {type(tensor).__name__} {list(tensor.shape)} ({directions}) from {tensor.quantizer!r}"
+    return f"a plain {str(tensor.dtype).removeprefix('torch.')} tensor {list(tensor.shape)}"
+
+
+def _tied_names(model: nn.Module, state: dict) -> dict[str, str]:
+    """alias -> kept name, for state_dict entries that are one parameter or buffer under several names."""
+    first: dict[int, str] = {}
+    tied = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        if name not in state:
+            continue
+        if id(tensor) in first:
+            tied[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return tied
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def _user_metadata(metadata) -> dict[str, str]:
+    metadata = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError("metadata must map str to str, as safetensors requires.")
+    if METADATA_KEY in metadata:
+        raise ValueError(f"metadata key {METADATA_KEY!r} is reserved for qtensor's description of the tensors.")
+    return {"format": "pt", **metadata}
+
+
+def _stored_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The named tensors a file holds for `tensors`, and the qtensor description of the quantized ones."""
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        raise ValueError("save_file takes a dict mapping str to torch.Tensor.")
+    stored, described = {}, {}
+    seen_storages: set[int] = set()
+    for key, value in tensors.items():
+        if isinstance(value, QuantizedTensor):
+            buffers, metadata = value.to_buffers()
+            described[key] = metadata
+            for name, buffer in buffers.items():
+                buffer = own_bytes(buffer.detach())
+                # Pieces of one tensor share their tensor-wide buffers; a file stores each on its own.
+                if buffer.numel() and buffer.untyped_storage().data_ptr() in seen_storages:
+                    buffer = buffer.clone()
+                stored[f"{key}.{name}"] = buffer
+                seen_storages.add(buffer.untyped_storage().data_ptr())
+        else:
+            stored[key] = value.plain().detach() if isinstance(value, DynamicWeight) else value.detach()
+    for key in described:
+        clash = [name for name in tensors if name.startswith(key + ".")]
+        if clash:
+            raise ValueError(f"{clash[0]!r} would collide with the buffers of quantized tensor {key!r} (named {key}.<buffer>). Rename one of them.")
+    return stored, described
+
+
+def _write(tensors: dict, filename, user: dict[str, str], tied: dict[str, str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file as safetensors_save_file
+
+    stored, described = _stored_tensors(tensors)
+    header = {"version": FORMAT_VERSION, "tensors": described}
+    if tied:
+        header["tied"] = tied
+    safetensors_save_file(stored, os.fspath(filename), metadata={**user, METADATA_KEY: json.dumps(header, sort_keys=True)})
+    return stored
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _entry_nbytes(value: torch.Tensor) -> int:
+    if isinstance(value, QuantizedTensor):
+        buffers, _ = value.to_buffers()
+        return sum(_nbytes(b) for b in buffers.values())
+    return _nbytes(value)
+
+
+def _plan_shards(entries: dict, max_bytes: int) -> list[list[str]]:
+    """Keys in state_dict order, cut into shards of at most `max_bytes` (an entry never split)."""
+    shards, current, size = [], [], 0
+    for key, value in entries.items():
+        nbytes = _entry_nbytes(value)
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    return shards + [current] if current or not shards else shards
+
+
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(size) -> int:
+    """Bytes from an int or a string like "5GB" / "500MiB" (Hugging Face's units)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper()) if isinstance(size, str) else None
+    if match is None:
+        raise ValueError(f"max_shard_size must be a positive number of bytes or a string like '5GB', got {size!r}.")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def _remove_stale_files(filename: str) -> None:
+    """A new save replaces the old one whole: no shard or single file of an earlier save is left
+    for load_model to mix in."""
+    directory, base = os.path.split(filename)
+    stem = re.escape(base.removesuffix(".safetensors"))
+    pattern = re.compile(rf"{stem}-\d{{5}}-of-\d{{5}}\.safetensors")
+    for name in os.listdir(directory or "."):
+        if pattern.fullmatch(name) or name in (base, base + ".index.json"):
+            os.remove(os.path.join(directory, name))
+
+
+# ---- reading ------------------------------------------------------------------------------------
+@dataclass
+class _Read:
+    tensors: dict[str, torch.Tensor]
+    tied: dict[str, str]
+
+
+def _read_model_files(filename: str, device) -> _Read:
+    if os.path.exists(filename):
+        return _read(filename, device)
+    index_path = filename if filename.endswith(".index.json") else filename + ".index.json"
+    if not os.path.exists(index_path):
+        raise FileNotFoundError(f"Neither {filename!r} nor the shard index {index_path!r} exists.")
+    try:
+        with open(index_path) as index_file:
+            index = json.load(index_file)
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map names to shard file names")
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{index_path}: not a shard index ({error}).") from None
+    directory = os.path.dirname(index_path)
+    tensors, tied = {}, {}
+    for shard in sorted(set(weight_map.values())):
+        if os.path.basename(shard) != shard:
+            raise ValueError(f"{index_path}: shard {shard!r} is not a file name beside the index.")
+        read = _read(os.path.join(directory, shard), device)
+        names = {name for name, file in weight_map.items() if file == shard}
+        stored = _stored_names(read.tensors)
+        if stored != names:
+            raise ValueError(f"{index_path}: shard {shard} holds {sorted(stored)}, the index says {sorted(names)}.")
+        tensors.update(read.tensors)
+        tied.update(read.tied)
+    return _Read(tensors, tied)
+
+
+def _stored_names(tensors: dict[str, torch.Tensor]) -> set[str]:
+    names = set()
+    for key, value in tensors.items():
+        if isinstance(value, QuantizedTensor):
+            names.update(f"{key}.{name}" for name in value.to_buffers()[0])
+        else:
+            names.add(key)
+    return names
+
+
+def read_header(filename) -> tuple[dict, dict[str, str]]:
+    """The tensor entries and `__metadata__` of a safetensors file, each entry checked against the
+    file: a known dtype, a shape, and a byte range inside the data that matches them."""
+    filename = os.fspath(filename)
+    size = os.path.getsize(filename)
+    with open(filename, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{filename}: {size} bytes is too short for a safetensors file (8-byte header length first).")
+        (header_length,) = struct.unpack("<Q", prefix)
+        if header_length > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(
+                f"{filename}: the header claims {header_length} bytes; the file has {size - 8} after the "
+                "length. It is truncated or not a safetensors file."
+            )
+        raw = file.read(header_length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{filename}: the header is not valid JSON ({error}); the file is corrupt.") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{filename}: the header is not a JSON object.")
+    metadata = header.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError(f"{filename}: __metadata__ must map strings to strings.")
+    data_size = size - 8 - header_length
+    ranges = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"{filename}: {name}: expected dtype, shape and data_offsets, got {entry!r}.")
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{filename}: {name}: unsupported dtype {entry['dtype']!r}.")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"{filename}: {name}: shape must be a list of sizes >= 0, got {shape!r}.")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets):
+            raise ValueError(f"{filename}: {name}: data_offsets must be two integers, got {offsets!r}.")
+        begin, end = offsets
+        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[entry["dtype"]][1]
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise ValueError(f"{filename}: {name}: data_offsets {offsets} do not hold {nbytes} bytes of {entry['dtype']} {shape}.")
+        if end > data_size:
+            raise ValueError(f"{filename}: {name}: its bytes [{begin}, {end}) run past the end of the data ({data_size} bytes); the file is truncated.")
+        ranges.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(ranges):
+        if begin != position:
+            raise ValueError(f"{filename}: {name}: its bytes start at {begin}, not at {position}; overlapping or gapped data.")
+        position = end
+    if position != data_size:
+        raise ValueError(f"{filename}: the tensors cover {position} of {data_size} data bytes; the file is corrupt.")
+    return header, metadata
+
+
+def _read(filename, device) -> _Read:
+    from safetensors import safe_open
+
+    filename = os.fspath(filename)
+    header, metadata = read_header(filename)
+    description = _parse_description(filename, metadata)
+    # Group the stored names: every `key.<name>` of a quantized key belongs to it.
+    groups: dict[str, dict[str, str]] = {key: {} for key in description["tensors"]}
+    plain = []
+    for name in header:
+        owner = next((key for key in _prefixes(name) if key in groups), None)
+        if owner is None:
+            plain.append(name)
+        else:
+            groups[owner][name[len(owner) + 1 :]] = name
+    # Check every quantized tensor against its declared layouts on meta tensors: no data read yet.
+    for key, names in groups.items():
+        meta = {buffer: _meta_tensor(header[name], device) for buffer, name in names.items()}
+        QuantizedTensor.check_buffers(meta, description["tensors"][key], where=f"{filename}: {key}.")
+    try:
+        with safe_open(filename, framework="pt", device=str(device)) as file:
+            tensors = {name: file.get_tensor(name) for name in plain}
+            for key, names in groups.items():
+                buffers = {buffer: file.get_tensor(name) for buffer, name in names.items()}
+                tensors[key] = QuantizedTensor.from_buffers(buffers, description["tensors"][key], where=f"{filename}: {key}.")
+    except ValueError:
+        raise
+    except Exception as error:  # safetensors' own error for anything the header check let through
+        raise ValueError(f"{filename}: safetensors could not read it ({error}).") from None
+    return _Read(tensors, description["tied"])
+
+
+def _prefixes(name: str):
+    """"a.b.c.d" -> "a.b.c", "a.b", "a": the keys whose buffers a stored name could be."""
+    parts = name.split(".")
+    return (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+
+
+def _meta_tensor(entry: dict, device) -> torch.Tensor:
+    return torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]][0], device="meta")
+
+
+def _parse_description(filename: str, metadata: dict[str, str]) -> dict:
+    if METADATA_KEY not in metadata:
+        return {"tensors": {}, "tied": {}}
+    try:
+        description = json.loads(metadata[METADATA_KEY])
+    except ValueError as error:
+        raise ValueError(f"{filename}: __metadata__[{METADATA_KEY!r}] is not valid JSON ({error}).") from None
+    if not isinstance(description, dict) or description.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{filename}: __metadata__[{METADATA_KEY!r}] must be an object with version {FORMAT_VERSION}, "
+            f"got {str(description)[:200]}."
+        )
+    tensors, tied = description.get("tensors"), description.get("tied", {})
+    unknown = set(description) - {"version", "tensors", "tied"}
+    if unknown or not isinstance(tensors, dict) or not isinstance(tied, dict):
+        raise ValueError(f"{filename}: __metadata__[{METADATA_KEY!r}] holds version, tensors and tied only; got {sorted(description)}.")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise ValueError(f"{filename}: tied must map names to names.")
+    return {"tensors": tensors, "tied": tied}
