@@ -141,8 +141,8 @@ def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> Non
 def _describe(tensor: torch.Tensor) -> str:
     if isinstance(tensor, QuantizedTensor):
         directions = "+".join(d for d in ("rowwise", "columnwise") if getattr(tensor, d) is not None)
-        return f"a {type(tensor).__name__} {list(tensor.shape)} ({directions}) from {tensor.quantizer!r}"
-    return f"a plain {str(tensor.dtype).removeprefix('torch.')} tensor {list(tensor.shape)}"
+        return f"{type(tensor).__name__} {list(tensor.shape)} ({directions}) from {tensor.quantizer!r}"
+    return f"plain {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
 
 
 def _tied_names(model: nn.Module, state: dict) -> dict[str, str]:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from . import recipes
+from .checkpoint import load_model, save_model
 from .formats_table import print_formats_table
 from .linear import DynamicWeight
 from .optim import MasterWeights
@@ -168,7 +171,22 @@ def train(run: Run, base: nn.Module, args, device: torch.device) -> dict:
         "final_loss": sum(losses[-tail:]) / tail,
         "weight_bytes": linear_weight_bytes(model),
         "step_ms": 1000 * sorted(times[1:] or times)[len(times[1:] or times) // 2],
+        "checkpoint": save_and_reload(run, model, base, args, device) if run.recipe is not None else None,
     }
+
+
+def save_and_reload(run: Run, model: nn.Module, base: nn.Module, args, device: torch.device) -> tuple[int, bool]:
+    """Save the trained model with qtensor.save_model, load it into a fresh model quantized with the
+    same recipe, and compare logits: (bytes on disk, whether the reloaded logits are identical)."""
+    path = os.path.join(args.save_dir, run.name.strip(" +").replace(" ", "_").replace(",", "") + ".safetensors")
+    save_model(model, path)
+    fresh = copy.deepcopy(base).to(device)
+    quantize_(fresh, run.recipe, weights=run.weights)
+    load_model(fresh, path)
+    tokens = sums_stream(args.batch, args.length, torch.Generator().manual_seed(args.seed + 1)).to(device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        identical = torch.equal(fresh(tokens[:, :-1]), model(tokens[:, :-1]))
+    return os.path.getsize(path), identical
 
 
 def main(argv=None) -> None:
@@ -184,6 +202,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", nargs="*", help="run only the recipes whose names contain one of these (and bf16)")
     parser.add_argument("--formats", action="store_true", help="print the per-format error table and exit")
+    parser.add_argument("--save-dir", help="where each run's model is saved (default: a temporary directory)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.formats:
@@ -200,20 +219,29 @@ def main(argv=None) -> None:
         f"{args.batch}x{args.length} tokens per recipe (uniform guess: loss {math.log(len(VOCABULARY)):.3f})",
         file=sys.stderr,
     )
-    results = {run.name: train(run, base, args, device) for run in runs}
+    with tempfile.TemporaryDirectory() as scratch:
+        args.save_dir = args.save_dir or scratch
+        os.makedirs(args.save_dir, exist_ok=True)
+        results = {run.name: train(run, base, args, device) for run in runs}
 
     baseline = results["bf16"]["final_loss"]
-    print(f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'weight KiB fwd/all':>20}{'step ms':>10}")
+    print(f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'weight KiB fwd/all':>20}{'step ms':>10}{'file KiB':>10}  reload")
     for name, result in results.items():
         gap = result["final_loss"] - baseline
         forward, total = result["weight_bytes"]
+        saved = result["checkpoint"]
+        checkpoint = f"{saved[0] / 1024:>10.1f}  {'identical' if saved[1] else 'DIFFERENT'}" if saved else f"{'':>10}  -"
         print(
             f"{name:<26}{result['final_loss']:>11.4f}{gap:>+13.4f}"
-            f"{forward / 1024:>11.1f} /{total / 1024:>7.1f}{result['step_ms']:>10.1f}"
+            f"{forward / 1024:>11.1f} /{total / 1024:>7.1f}{result['step_ms']:>10.1f}{checkpoint}"
         )
+    reloaded = [r["checkpoint"][1] for r in results.values() if r["checkpoint"]]
     print(
         f"final loss: mean of the last {max(1, args.steps // 10)} steps. weight KiB: the nn.Linear weights "
-        "as the GEMMs read them, forward copy / forward and backward copies (bf16 serves both)."
+        "as the GEMMs read them, forward copy / forward and backward copies (bf16 serves both).\n"
+        "file KiB / reload: each quantized run's final model saved with qtensor.save_model, loaded with "
+        "qtensor.load_model into a fresh model quantized with the same recipe; its logits were identical "
+        f"in {sum(reloaded)} of {len(reloaded)} runs."
     )
 
 

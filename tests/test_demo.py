@@ -13,6 +13,10 @@ def test_demo_trains_every_recipe_and_prints_the_table(capsys):
     assert "mxfp8_fwd_nvfp4_bwd" in names and any("high_precision" in n for n in names) and any("dequantized" in n for n in names)
     for name in names:
         assert any(line.startswith(name) for line in out.splitlines()), name
+    # every quantized run saved, reloaded into a fresh model, and its logits compared
+    rows = [line for line in out.splitlines() if line.startswith(tuple(names)) and not line.startswith("bf16")]
+    assert rows and all(line.endswith("identical") for line in rows), rows
+    assert f"identical in {len(rows)} of {len(rows)} runs" in out
 
 
 def test_formats_table_lists_every_format(capsys):
