@@ -44,6 +44,10 @@ SAFETENSORS_DTYPES = {
     "BOOL": (torch.bool, 1),
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),
+    "U16": (torch.uint16, 2),
+    "U32": (torch.uint32, 4),
+    "U64": (torch.uint64, 8),
 }
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import oracle
+import qtensor
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -34,3 +35,15 @@ def assert_holds_only(q, direction):
     assert getattr(q, missing) is None and getattr(q, direction) is not None
     with pytest.raises(ValueError):
         q.dequantize(torch.float32, missing)
+
+# One quantizer per format and notable option, for the format-independent tests (dispatch, buffers).
+FORMATS = {
+    "float8": lambda: qtensor.Float8Quantizer(),
+    "float8_delayed": lambda: qtensor.Float8Quantizer(scaling="delayed"),
+    "mxfp8": lambda: qtensor.MXFP8Quantizer(),
+    "nvfp4": lambda: qtensor.NVFP4Quantizer(),
+    "nvfp4_rht": lambda: qtensor.NVFP4Quantizer(rht=True),
+    "nvfp4_2d": lambda: qtensor.NVFP4Quantizer(block_2d=True),
+    "identity": lambda: qtensor.IdentityQuantizer(),
+    "hybrid": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(rht=True)),
+}

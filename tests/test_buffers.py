@@ -12,18 +12,9 @@ import torch
 from torch import nn
 
 import qtensor
+from cases import FORMATS
 from qtensor.storage import Storage
 
-FORMATS = {
-    "float8": lambda: qtensor.Float8Quantizer(),
-    "float8_delayed": lambda: qtensor.Float8Quantizer(scaling="delayed"),
-    "mxfp8": lambda: qtensor.MXFP8Quantizer(),
-    "nvfp4": lambda: qtensor.NVFP4Quantizer(),
-    "nvfp4_rht": lambda: qtensor.NVFP4Quantizer(rht=True),
-    "nvfp4_2d": lambda: qtensor.NVFP4Quantizer(block_2d=True),
-    "identity": lambda: qtensor.IdentityQuantizer(),
-    "hybrid": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(rht=True)),
-}
 
 
 def ceil(a, b):

@@ -542,3 +542,26 @@ def test_plain_pickle_round_trips_a_quantized_model():
     tokens = torch.randint(0, 16, (2, 8))
     with torch.no_grad():
         assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_the_documented_format_decodes_a_file_without_qtensor(tmp_path):
+    """docs/checkpoint-format.md's decoder (safetensors and torch only) reproduces dequantize()."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "checkpoint-format.md").read_text()
+    namespace = {}
+    for block in re.findall(r"```python\n(.*?)```", doc, flags=re.S):
+        exec(compile(block, "checkpoint-format.md", "exec"), namespace)
+    x = sample(40, 70, dtype=torch.bfloat16) * 5
+    tensors = {
+        "float8": qtensor.Float8Quantizer().quantize(x),
+        "mxfp8": qtensor.MXFP8Quantizer().quantize(x),
+        "nvfp4": qtensor.NVFP4Quantizer().quantize(x),
+        "nvfp4_rowwise_only": qtensor.NVFP4Quantizer().quantize(x, columnwise=False),
+        "hybrid": qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer()).quantize(x),
+    }
+    path = tmp_path / "doc.safetensors"
+    qtensor.save_file(tensors, path)
+    for key, q in tensors.items():
+        assert torch.equal(namespace["decode_rowwise"](str(path), key), q.dequantize(torch.float32, "rowwise")), key

@@ -184,3 +184,66 @@ def test_the_reference_gemm_stays_full_fp32_when_tf32_is_allowed():
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def _same_buffers(a, b):
+    mine, metadata = a.to_buffers()
+    theirs, other_metadata = b.to_buffers()
+    assert metadata == other_metadata and mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name].cpu().reshape(-1).view(torch.uint8), theirs[name].cpu().reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_checkpoint_of_gpu_tensors_round_trips_to_either_device(tmp_path, name):
+    q = QUANTIZERS[name]().quantize(hard_input(96, 80, torch.bfloat16).cuda())
+    qtensor.save_file({"w": q}, tmp_path / "gpu.safetensors")
+    on_gpu = qtensor.load_file(tmp_path / "gpu.safetensors", device="cuda")["w"]
+    on_cpu = qtensor.load_file(tmp_path / "gpu.safetensors")["w"]
+    assert on_gpu.device.type == "cuda" and on_cpu.device.type == "cpu"
+    _same_buffers(on_gpu, q)
+    _same_buffers(on_cpu, q)
+
+
+@pytest.mark.parametrize("recipe, weights", [("mxfp8_fwd_nvfp4_bwd", "quantized"), ("float8_delayed", "dynamic")])
+def test_a_gpu_model_saves_and_reloads_with_identical_logits(tmp_path, recipe, weights):
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).cuda()
+        qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights)
+        return model
+
+    model = build(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if weights == "quantized":
+        optimizer = qtensor.optim.MasterWeights(optimizer)
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(3):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    qtensor.save_model(model, tmp_path / "model.safetensors")
+    fresh = build(1)
+    qtensor.load_model(fresh, tmp_path / "model.safetensors")
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    for key, value in model.state_dict().items():
+        loaded = fresh.state_dict()[key]
+        if isinstance(value, qtensor.QuantizedTensor):
+            _same_buffers(loaded, value)
+        else:
+            assert torch.equal(loaded, value), key
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3", "mxfp8_rceil", "nvfp4_rht", "identity_bf16", "hybrid"])
+def test_dequantize_compiles_with_inductor_on_the_gpu_without_recompiling(name):
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda q: q.dequantize(torch.float32) * 2, fullgraph=True, backend=counter)
+    quantizer = QUANTIZERS[name]()
+    for seed in range(2):
+        q = quantizer.quantize(hard_input(128, 96, torch.bfloat16, seed=seed).cuda())
+        assert torch.equal(compiled(q).nan_to_num(), (q.dequantize(torch.float32) * 2).nan_to_num())
+    assert counter.frame_count == 1

@@ -12,17 +12,8 @@ import pytest
 import torch
 
 import qtensor
+from cases import FORMATS
 
-FORMATS = {
-    "float8": lambda: qtensor.Float8Quantizer(),
-    "float8_delayed": lambda: qtensor.Float8Quantizer(scaling="delayed"),
-    "mxfp8": lambda: qtensor.MXFP8Quantizer(),
-    "nvfp4": lambda: qtensor.NVFP4Quantizer(),
-    "nvfp4_rht": lambda: qtensor.NVFP4Quantizer(rht=True),
-    "nvfp4_2d": lambda: qtensor.NVFP4Quantizer(block_2d=True),
-    "identity": lambda: qtensor.IdentityQuantizer(),
-    "hybrid": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(rht=True)),
-}
 TENSOR_CLASS = {
     "float8": qtensor.Float8Tensor,
     "float8_delayed": qtensor.Float8Tensor,
