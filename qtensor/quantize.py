@@ -145,13 +145,15 @@ def _install(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
 
 def running_state(module: nn.Linear) -> dict[str, torch.Tensor]:
     """The live running-state tensors of a quantized layer's quantizers, by state_dict key suffix
-    (`input_quantizer.amax_history`). A quantized weight's entry carries its own quantizer's state,
-    so that role is left out when the weight is a QuantizedTensor."""
+    (`input_quantizer.amax_history`), on the weight's device as a module's buffers would be. A
+    quantized weight's entry carries its own quantizer's state, so that role is left out when the
+    weight is a QuantizedTensor."""
     linear, _ = module._qtensor_layer
     state = {}
     for role, quantizer in linear.roles().items():
         if quantizer is None or (role == "weight" and isinstance(module.weight, QuantizedTensor)):
             continue
+        quantizer.move_state(module.weight.device)
         state.update({f"{role}_quantizer.{name}": buffer for name, buffer in quantizer.state_buffers().items()})
     return state
 

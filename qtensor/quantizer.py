@@ -94,6 +94,9 @@ class Quantizer:
         These are the live tensors: writing into them changes the quantizer."""
         return {}
 
+    def move_state(self, device: torch.device) -> None:
+        """Move the running state to `device` (where the tensors this quantizer casts live)."""
+
     def check_state_buffers(self, buffers: dict[str, torch.Tensor], where: str = "") -> None:
         """ValueError unless `buffers` are exactly this quantizer's running state (names, dtypes, shapes)."""
         mine = self.state_buffers()

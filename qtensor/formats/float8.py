@@ -144,9 +144,13 @@ class Float8Quantizer(Quantizer):
 
     def _history_on(self, device: torch.device) -> torch.Tensor:
         """The history, moved once to the device the data lives on (then updated there in place)."""
-        if self.amax_history.device != device:
-            self.amax_history = self.amax_history.to(device)
+        self.move_state(device)
         return self.amax_history
+
+    def move_state(self, device: torch.device) -> None:
+        # A meta-device model holds no values: the history stays where it is until real data comes.
+        if self.amax_history is not None and self.amax_history.device != device and torch.device(device).type != "meta":
+            self.amax_history = self.amax_history.to(device)
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         x = x.float()

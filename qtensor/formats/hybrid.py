@@ -53,6 +53,10 @@ class HybridQuantizer(Quantizer):
     def quantizer_for(self, direction: str) -> Quantizer:
         return getattr(self, direction)
 
+    def move_state(self, device) -> None:
+        self.rowwise.move_state(device)
+        self.columnwise.move_state(device)
+
     def state_buffers(self) -> dict:
         # Each child keeps its own running state (delayed scaling); named by the child's direction.
         return {f"{direction}.{name}": buffer for direction in ("rowwise", "columnwise") for name, buffer in getattr(self, direction).state_buffers().items()}
