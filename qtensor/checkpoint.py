@@ -77,11 +77,11 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
     user = _user_metadata(metadata)
     filename = os.fspath(filename)
     shards = _plan_shards(entries, _parse_size(max_shard_size)) if max_shard_size is not None else [list(entries)]
-    _remove_stale_files(filename)
+    directory, base = os.path.split(filename)
     if len(shards) == 1:
         _write(entries, filename, user, tied)
+        _remove_stale_files(filename, keep={base})
         return
-    directory, base = os.path.split(filename)
     stem = base.removesuffix(".safetensors")
     weight_map, total = {}, 0
     for index, keys in enumerate(shards, start=1):
@@ -91,6 +91,7 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
         weight_map.update({name: shard_name for name in stored})
     with open(filename + ".index.json", "w") as index_file:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, index_file, indent=2, sort_keys=True)
+    _remove_stale_files(filename, keep=set(weight_map.values()) | {base + ".index.json"})
 
 
 def load_model(model: nn.Module, filename, strict: bool = True, device=None) -> tuple[list[str], list[str]]:
@@ -248,14 +249,14 @@ def _parse_size(size) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
-def _remove_stale_files(filename: str) -> None:
-    """A new save replaces the old one whole: no shard or single file of an earlier save is left
-    for load_model to mix in."""
+def _remove_stale_files(filename: str, keep: set[str]) -> None:
+    """After a save has been written whole: remove the shards, index or single file of an earlier save
+    under the same name, so that load_model never mixes them in."""
     directory, base = os.path.split(filename)
     stem = re.escape(base.removesuffix(".safetensors"))
     pattern = re.compile(rf"{stem}-\d{{5}}-of-\d{{5}}\.safetensors")
     for name in os.listdir(directory or "."):
-        if pattern.fullmatch(name) or name in (base, base + ".index.json"):
+        if name not in keep and (pattern.fullmatch(name) or name in (base, base + ".index.json")):
             os.remove(os.path.join(directory, name))
 
 

@@ -466,7 +466,10 @@ def test_sharded_save_writes_an_index_and_loads_back(tmp_path):
     tokens = torch.randint(0, 16, (2, 8))
     with torch.no_grad():
         assert torch.equal(fresh(tokens), model(tokens))
-    # A later unsharded save replaces the shards rather than leaving them beside the new file.
+    # A later save with fewer shards, then an unsharded one, replaces the earlier files whole.
+    qtensor.save_model(model, path, max_shard_size="16KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == sorted(p.name for p in tmp_path.glob("model-*")) != shards
     qtensor.save_model(model, path)
     assert path.exists() and not list(tmp_path.glob("model-*")) and not (tmp_path / "model.safetensors.index.json").exists()
 
