@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import gemm
 from .formats.float8 import replaying_delayed_scales
@@ -75,7 +76,11 @@ def _weight_operand(weight, linear: LinearQuantizers, *, columnwise: bool) -> to
                 "dgrad needs. Quantize the weight with columnwise=True (qtensor.quantize_ does)."
             )
         return weight
-    return _quantize(linear.weight, weight, rowwise=True, columnwise=columnwise)
+    return _quantize(linear.weight, _plain(weight), rowwise=True, columnwise=columnwise)
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    return weight.plain() if isinstance(weight, DynamicWeight) else weight
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -110,7 +115,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         elif override == "dequantized":
             saved_x, saved_w = (x_q, "rowwise"), (w_q, "rowwise")
         else:  # high_precision: the original operands (a quantized parameter has no other)
-            original_w = weight.dequantize() if isinstance(weight, QuantizedTensor) and input_needs_grad else weight
+            original_w = weight.dequantize() if isinstance(weight, QuantizedTensor) and input_needs_grad else _plain(weight)
             saved_x, saved_w = (x2d, None), (original_w, None)
         ctx.save_for_backward(
             _only(*saved_x) if weight_needs_grad else None,
@@ -296,15 +301,34 @@ class TransposedWeight(torch.Tensor):
 
 
 class DynamicWeight(torch.Tensor):
-    """A high-precision weight (the same storage, any optimizer trains it) that quantizes itself with
-    its layer's weight quantizer each time F.linear uses it, so new values are always picked up."""
+    """A high-precision weight that quantizes itself with its layer's weight quantizer each time
+    F.linear uses it, so new values are always picked up; any optimizer trains it.
+
+    A `__torch_dispatch__` wrapper over the plain tensor `_data`: every op computes on `_data`, and
+    the ops that make a new piece of the same weight (FSDP2's chunk / new_zeros / narrow / view,
+    nn.Module's to / empty_like, detach, clone, ...) give back a DynamicWeight with the same
+    quantizers, so a shard never silently loses them. In-place ops (optimizer steps, copy_, init)
+    write into `_data`. Everything else returns plain tensors.
+    """
 
     linear_quantizers: LinearQuantizers
+    _data: torch.Tensor
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, linear_quantizers: LinearQuantizers, requires_grad: bool | None = None):
         requires_grad = data.requires_grad if requires_grad is None else requires_grad
-        self = torch.Tensor._make_subclass(cls, data.detach(), requires_grad)
+        data = data.detach()
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            layout=data.layout,
+            requires_grad=requires_grad,
+        )
+        self._data = data
         self.linear_quantizers = linear_quantizers
         return self
 
@@ -313,33 +337,79 @@ class DynamicWeight(torch.Tensor):
 
     def plain(self) -> torch.Tensor:
         """The high-precision values as a plain tensor (an alias)."""
-        with torch._C.DisableTorchFunctionSubclass():
-            return self.as_subclass(torch.Tensor)
+        return self._data
+
+    # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap).
+    def __tensor_flatten__(self):
+        return ["_data"], self.linear_quantizers
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, linear_quantizers, outer_size, outer_stride):
+        return DynamicWeight(inner_tensors["_data"], linear_quantizers)
 
     def __reduce_ex__(self, protocol):
         if self.__dict__.get("_is_param"):
             # A parameter of a pickled module: keep it a DynamicWeight parameter.
-            return _rebuild_dynamic_parameter, (self.plain().detach(), self.requires_grad, self.linear_quantizers)
+            return _rebuild_dynamic_parameter, (self._data, self.requires_grad, self.linear_quantizers)
         # state_dict entries pickle as plain tensors: loadable with weights_only=True, and
         # load_state_dict copies them into the weight.
-        return self.plain().detach().__reduce_ex__(protocol)
+        return self._data.__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
-        duplicate = DynamicWeight(copy.deepcopy(self.plain().detach(), memo), self.linear_quantizers, self.requires_grad)
-        duplicate.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
+        duplicate.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_data"}, memo))
         return duplicate
 
     def __repr__(self, *, tensor_contents=None):
-        return f"DynamicWeight({self.plain()!r}, linear_quantizers={self.linear_quantizers.describe()})"
+        return f"DynamicWeight({self._data!r}, linear_quantizers={self.linear_quantizers.describe()})"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        out = torch_function(func, args, kwargs)
-        if func in (torch.Tensor.detach, torch.Tensor.clone) and isinstance(args[0], DynamicWeight):
-            # nn.Parameter and state_dict go through detach: the weight must stay a DynamicWeight.
-            out = out.as_subclass(DynamicWeight)
-            out.linear_quantizers = args[0].linear_quantizers
+        return torch_function(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weights = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DynamicWeight)]
+        plain_args, plain_kwargs = tree_map_only(DynamicWeight, lambda t: t._data, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if func in _DYNAMIC_WEIGHT_PIECES and _keeps_float(func, out):
+            linear = weights[0].linear_quantizers
+            return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, linear), out)
+        # An in-place op hands back the tensor it wrote into: the wrapper, not its inner tensor.
+        if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
+            return args[0]
         return out
+
+
+def _keeps_float(func, out) -> bool:
+    """A piece in a non-float dtype (`.to(torch.int8)`) is a plain tensor, not a weight."""
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return all(t.dtype.is_floating_point for t in leaves)
+
+
+aten = torch.ops.aten
+# Ops whose result is (a piece of) the same weight: FSDP2 sends chunk/split, new_zeros, slice/narrow,
+# copy_, view and as_strided; nn.Module sends detach, _to_copy, empty_like (to_empty) and clone.
+_DYNAMIC_WEIGHT_PIECES = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.empty_like.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+}
 
 
 def _rebuild_dynamic_parameter(data: torch.Tensor, requires_grad: bool, linear_quantizers: LinearQuantizers):

@@ -137,8 +137,8 @@ def _install(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
     module._qtensor_hooks = [
         # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
         module.register_load_state_dict_post_hook(_reinstall_after_load),
-        # Running state (delayed-scaling amax histories) is part of the layer's state_dict.
-        module.register_state_dict_post_hook(_save_running_state),
+        # A dynamic weight's entry is its plain values; running state (amax histories) is added.
+        module.register_state_dict_post_hook(_save_layer_state),
         module.register_load_state_dict_pre_hook(_load_running_state),
     ]
 
@@ -158,7 +158,22 @@ def running_state(module: nn.Linear) -> dict[str, torch.Tensor]:
     return state
 
 
-def _save_running_state(module, state_dict, prefix, local_metadata) -> None:
+def plain_weight(value: torch.Tensor) -> torch.Tensor:
+    """A dynamic weight's values as a plain tensor (sharded: a DTensor of plain shards), so that
+    safetensors, save_pretrained and torch.distributed.checkpoint see an ordinary tensor."""
+    if isinstance(value, DynamicWeight):
+        return value.plain()
+    local = getattr(value, "_local_tensor", None)
+    if isinstance(local, DynamicWeight):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local.plain(), value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+    return value
+
+
+def _save_layer_state(module, state_dict, prefix, local_metadata) -> None:
+    if prefix + "weight" in state_dict:
+        state_dict[prefix + "weight"] = plain_weight(state_dict[prefix + "weight"])
     for suffix, buffer in running_state(module).items():
         state_dict[prefix + suffix] = buffer.detach()
 
