@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import gemm
 from .formats.float8 import replaying_delayed_scales
+from .numerics import ceil_div
 from .quantizer import INPUT_DTYPES, Quantizer, fold_to_2d
 from .tensor import QuantizedTensor
 
@@ -363,6 +364,51 @@ class DynamicWeight(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         return f"DynamicWeight({self._data!r}, linear_quantizers={self.linear_quantizers.describe()})"
 
+    # ---- FSDP2: quantize the local shard, gather its low-precision bytes (fsdp.py) -------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        from . import fsdp
+
+        fsdp_param = fsdp.calling_fsdp_param()
+        values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
+        if self.linear_quantizers.weight is None:  # the weight role stays in high precision
+            padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
+            padded[: values.shape[0]].copy_(values)
+            return (padded,), (None, outer_size, None)
+        quantized = self._quantized_shard(values, mesh)
+        needed = fsdp.directions_needed(self.linear_quantizers, fsdp_param)
+        inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, fsdp.parameter_name(fsdp_param))
+        return inputs, (plan, outer_size, quantized)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from . import fsdp
+
+        plan, outer_size, quantized = metadata
+        if plan is None:
+            (gathered,) = all_gather_outputs
+            values = gathered[: outer_size[0]].reshape(outer_size).to(param_dtype)
+            if out is not None:
+                out._data.copy_(values)
+                return None
+            unsharded = DynamicWeight(values.clone(), self.linear_quantizers)
+            return unsharded, (unsharded._data,)
+        return fsdp.post_all_gather(quantized, all_gather_outputs, plan, outer_size, param_dtype, out=out)
+
+    def _quantized_shard(self, values: torch.Tensor, mesh) -> QuantizedTensor:
+        """The local shard quantized in both directions, once per version of the weight (the
+        pre-backward re-gather reuses the forward's cast, as a single process quantizes once), with
+        tensor-wide amaxes reduced over the mesh so that every shard shares one scale."""
+        key = (self.__dict__.get("_writes", 0), values.dtype)
+        cached = self.__dict__.get("_shard_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        from .numerics import reduce_amax_over
+
+        with reduce_amax_over(mesh.get_group()):
+            quantized = self.linear_quantizers.weight.quantize(values, rowwise=True, columnwise=True)
+        quantized.linear_quantizers = self.linear_quantizers
+        self._shard_cache = (key, quantized)
+        return quantized
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return torch_function(func, args, kwargs)
@@ -373,6 +419,7 @@ class DynamicWeight(torch.Tensor):
         weights = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DynamicWeight)]
         plain_args, plain_kwargs = tree_map_only(DynamicWeight, lambda t: t._data, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
+        _count_writes(func, args, kwargs)
         if func in _DYNAMIC_WEIGHT_PIECES and _keeps_float(func, out):
             linear = weights[0].linear_quantizers
             return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, linear), out)
@@ -380,6 +427,19 @@ class DynamicWeight(torch.Tensor):
         if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
             return args[0]
         return out
+
+
+def _count_writes(func, args, kwargs) -> None:
+    """Count in-place writes into each DynamicWeight (optimizer steps, copy_, init): its cached
+    quantized shard is stale once it changes. The inner tensor's own version counter does not move
+    for writes made from inside __torch_dispatch__, so the wrapper keeps its own count."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+        for tensor in tree_flatten(value)[0]:
+            if isinstance(tensor, DynamicWeight):
+                tensor._writes = tensor.__dict__.get("_writes", 0) + 1
 
 
 def _keeps_float(func, out) -> bool:

@@ -3,6 +3,8 @@
 Each function is pure torch and bit-exact on CPU and GPU; the format modules compose them.
 """
 
+import contextlib
+
 import torch
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -54,6 +56,37 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax().float()
+
+
+_amax_group = None
+
+
+@contextlib.contextmanager
+def reduce_amax_over(group):
+    """Inside, every tensor-wide amax (`tensor_amax`) is the MAX over `group`'s ranks: the shards of
+    one sharded tensor get one scale, so a sharded run equals a single-process one (DESIGN.md §4)."""
+    global _amax_group
+    previous, _amax_group = _amax_group, group
+    try:
+        yield
+    finally:
+        _amax_group = previous
+
+
+def sharded_quantization() -> bool:
+    """True inside `reduce_amax_over`: the tensor being quantized is one shard of a larger one."""
+    return _amax_group is not None
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """The amax that sets a tensor-wide scale: `finite_amax`, reduced over the ranks holding the
+    other shards when inside `reduce_amax_over`."""
+    amax = finite_amax(x)
+    if _amax_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_amax_group)
+    return amax
 
 
 def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ changes the last dimension, a split along another dimension) takes the dequantiz
 
 import torch
 from torch._prims_common import infer_size
+from torch.utils._pytree import tree_map_only
 
+from . import numerics
 from .quantizer import INPUT_DTYPES, fold_to_2d
 from .storage import DIRECTIONS
 from .tensor import QuantizedTensor, dequantized_fallback, rows_per_index
@@ -62,8 +64,38 @@ def _view(func, args, kwargs):
     shape = torch.Size(infer_size(size, self.numel())) if self.numel() else torch.Size(size)
     keeps_rows = len(shape) >= 1 and shape[-1] == self.shape[-1] and shape.numel() == self.numel()
     if not keeps_rows or (self.shape[-1] == 0 and shape[:-1].numel() != self.shape[:-1].numel()):
-        return dequantized_fallback(func, args, kwargs)
+        if shape.numel() != self.numel():
+            return dequantized_fallback(func, args, kwargs)  # torch's own error
+        return DequantizedView(self, shape)
     return self.with_storages(self.rowwise, self.columnwise, shape=shape)
+
+
+class DequantizedView(torch.Tensor):
+    """`q.view(shape)` with another last dimension (FSDP2 keeps `param.view(-1)`): the dequantized
+    values in that shape, computed whenever it is used and never stored, so a flat view costs no
+    memory. Every op sees those values and returns plain tensors; a write into it does not reach `q`."""
+
+    @staticmethod
+    def __new__(cls, source: QuantizedTensor, shape: torch.Size):
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=source.dtype, device=source.device)
+        self.source = source
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def values(self) -> torch.Tensor:
+        return self.source.dequantize().reshape(self.shape)
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"DequantizedView({self.values()!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        plain_args, plain_kwargs = tree_map_only(DequantizedView, DequantizedView.values, (args, kwargs or {}))
+        return func(*plain_args, **plain_kwargs)
 
 
 @implements(aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
@@ -151,12 +183,25 @@ def _tensor_wide(storage) -> list[str]:
 
 
 def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
-    for _, storage in _storages(self):
+    """Requantizing a row slice must not change rows outside it: refused when a scale it holds
+    also covers those rows (a tensor-wide scale, or the block its last rows share)."""
+    if numerics.sharded_quantization():
+        # An FSDP2 shard (a row slice of its zero-padded shard): the amax is reduced over the mesh, so
+        # the new scale is the whole tensor's, and the padding rows are zero codes under any scale.
+        return
+    for direction, storage in _storages(self):
         if storage.row_slice and _tensor_wide(storage):
             raise ValueError(
                 f"Cannot quantize into a row slice of a {type(self).__name__}: its "
                 f"{'/'.join(_tensor_wide(storage))} covers the whole tensor, and a new one for these "
                 "rows would change the rest. Copy into the whole tensor, or into a clone() of the slice."
+            )
+        if storage.ends_mid_block():
+            raise ValueError(
+                f"Cannot quantize into this row slice of a {type(self).__name__}: its last "
+                f"{storage.rows % storage.row_block()} rows share a {storage.row_block()}-row "
+                f"{storage.format_name} {direction} block with rows after it, which a new scale would "
+                "change. Copy into the whole tensor, or into a clone() of the slice."
             )
 
 
@@ -194,6 +239,14 @@ def quantized_zeros(self: QuantizedTensor, shape, dtype=None, device=None) -> Qu
     )
     if self.rowwise is not None and self.rowwise is self.columnwise:
         columnwise = rowwise
+    # Zero codes are zero under any scale: keep self's tensor-wide buffers (its scale), so that
+    # self's bytes can be copied into rows of the result (FSDP2: new_zeros, then narrow().copy_()).
+    for fresh, mine in ((rowwise, self.rowwise), (columnwise, self.columnwise)):
+        if fresh is None or mine is None:
+            continue
+        for spec in fresh.buffer_specs():
+            if spec.tensor_wide:
+                getattr(fresh, spec.name).copy_(getattr(mine, spec.name))
     return self.with_storages(rowwise, columnwise, shape=torch.Size(shape), dtype=dtype)
 
 

@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from .numerics import reduce_amax_over
 from .tensor import QuantizedTensor
+
+
+def is_quantized(param: torch.Tensor) -> bool:
+    """A QuantizedTensor, or a sharded (DTensor) parameter whose local shard is one."""
+    return isinstance(param, QuantizedTensor) or isinstance(getattr(param, "_local_tensor", None), QuantizedTensor)
+
+
+def _master_of(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The high-precision master of a quantized parameter, sharded like it when it is a DTensor."""
+    local = getattr(param, "_local_tensor", None)
+    if local is None:
+        return param.dequantize(dtype).detach()
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local.dequantize(dtype), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    ).detach()
 
 
 class MasterWeights:
@@ -25,11 +45,11 @@ class MasterWeights:
             )
         self.optimizer = optimizer
         self.master_dtype = master_dtype
-        self.pairs: list[tuple[QuantizedTensor, torch.Tensor]] = []
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in optimizer.param_groups:
             for index, param in enumerate(group["params"]):
-                if isinstance(param, QuantizedTensor):
-                    master = param.dequantize(master_dtype).detach().requires_grad_(param.requires_grad)
+                if is_quantized(param):
+                    master = _master_of(param, master_dtype).requires_grad_(param.requires_grad)
                     group["params"][index] = master
                     self.pairs.append((param, master))
 
@@ -74,9 +94,12 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Requantize every master into its quantized parameter."""
+        """Requantize every master into its quantized parameter. A sharded parameter's shards are
+        quantized with one tensor-wide scale: the amax is reduced over its mesh (DESIGN.md §4)."""
         for param, master in self.pairs:
-            param.copy_(master)
+            mesh = getattr(param, "device_mesh", None)
+            with reduce_amax_over(mesh.get_group()) if mesh is not None else contextlib.nullcontext():
+                param.copy_(master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

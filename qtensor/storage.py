@@ -60,6 +60,9 @@ class Storage:
     format_name: str = ""
     directions: tuple[str, ...] = DIRECTIONS
     option_values: dict[str, tuple] = {}
+    # True when `to_direction` rebuilds the other direction exactly (Float8: the transpose), so
+    # FSDP2 gathers one direction and makes the other locally.
+    rebuilds_other_direction: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -143,14 +146,24 @@ class Storage:
         same = all(mapped[name] is buffer for name, buffer in self.buffers.items())
         return self.rebuilt(mapped, row_slice=self.row_slice and same)
 
+    def ends_mid_block(self) -> bool:
+        """True for a row slice whose last block continues past its rows (see slice_rows)."""
+        return self.row_slice and self.rows % self.row_block() != 0
+
     def row_block(self) -> int:
         """Row ranges must start and end on multiples of this (DESIGN.md §3: block boundaries)."""
         return max([max(b.rows_per_entry, b.rows_padded_to) for b in self.buffer_specs() if not b.tensor_wide] or [1])
 
     def slice_rows(self, start: int, stop: int) -> "Storage":
-        """The storage of rows `[start, stop)` of the 2-D view, sharing memory with this one."""
+        """The storage of rows `[start, stop)` of the 2-D view, sharing memory with this one.
+
+        It must start on a block boundary (DESIGN.md §3). It may end inside a block: that last
+        block is then partial, its scale shared with the rows after `stop`, and every value it
+        holds exact (ops.copy_ refuses to requantize such a slice, which would change those rows).
+        A split still needs every edge on a boundary, since the next piece starts there.
+        """
         block = self.row_block()
-        for edge in (start, stop):
+        for edge in (start,):
             if edge % block and edge != self.rows:
                 raise ValueError(
                     f"{self.format_name} {self.direction} blocks span {block} rows; a row range "
@@ -167,6 +180,22 @@ class Storage:
                 pieces[spec.name] = buffer.narrow(spec.row_axis, first, last - first)
         whole = start == 0 and stop == self.rows
         return self.rebuilt(pieces, rows=stop - start, row_slice=self.row_slice or not whole)
+
+    def zero_padded(self, rows: int) -> "Storage":
+        """This storage extended to `rows` rows with zero codes (zero in every format; a partial
+        last block behaves as zero-padded, DESIGN.md §2), tensor-wide buffers unchanged."""
+        if rows == self.rows:
+            return self
+        padded = {}
+        for spec, target in zip(self.buffer_specs(), self.layout(self.direction, rows, self.cols, **self.options)):
+            buffer = getattr(self, spec.name)
+            if spec.tensor_wide:
+                padded[spec.name] = buffer
+            else:
+                grown = torch.zeros(target.shape, dtype=buffer.dtype, device=buffer.device)
+                grown.narrow(spec.row_axis, 0, buffer.shape[spec.row_axis]).copy_(buffer)
+                padded[spec.name] = grown
+        return self.rebuilt(padded, rows=rows)
 
     @classmethod
     def cat_rows(cls, pieces: list["Storage"]) -> "Storage":

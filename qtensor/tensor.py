@@ -288,6 +288,21 @@ class QuantizedTensor(torch.Tensor):
         payload = {name: b.view(torch.uint8) if name in fp8 else b for name, b in payload.items()}
         return _rebuild_quantized_tensor, (json.dumps(metadata), payload, fp8)
 
+    # ---- FSDP2 (fsdp.py): low-precision all-gather of the direction each GEMM reads ------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        from . import fsdp
+
+        fsdp_param = fsdp.calling_fsdp_param()
+        needed = fsdp.directions_needed(self.linear_quantizers, fsdp_param)
+        inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, fsdp.parameter_name(fsdp_param))
+        return inputs, (plan, outer_size, self)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from . import fsdp
+
+        plan, outer_size, local = metadata
+        return fsdp.post_all_gather(local, all_gather_outputs, plan, outer_size, param_dtype, out=out)
+
     # ---- dispatch -----------------------------------------------------------------------------
     @classmethod
     def implements(cls, *funcs):

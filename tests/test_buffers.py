@@ -142,8 +142,9 @@ def test_incoming_buffers_are_checked_against_the_declared_layout():
 
 def test_flatten_and_unflatten_behave_as_on_any_tensor():
     q = qtensor.NVFP4Quantizer().quantize(sample(4, 16, 32))
-    flat = q.flatten()
-    assert type(flat) is torch.Tensor and torch.equal(flat, q.dequantize().flatten())
+    flat = q.flatten()  # the dequantized values, computed when used (ops.DequantizedView)
+    assert not isinstance(flat, qtensor.QuantizedTensor) and torch.equal(flat, q.dequantize().flatten())
+    assert type(flat * 1) is torch.Tensor and flat.shape == (4 * 16 * 32,)
     assert torch.equal(q.unflatten(-1, (2, 16)), q.dequantize().unflatten(-1, (2, 16)))
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8))
     qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights="quantized")

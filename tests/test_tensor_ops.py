@@ -103,10 +103,14 @@ def test_view_keeping_last_dim_stays_quantized_and_never_returns_self(q):
     assert type(q.reshape(64, 48)) is type(q)
 
 
-def test_view_changing_last_dim_gives_plain_dequantized_tensor(q):
-    result = q.view(4, 16 * 48)
-    assert type(result) is torch.Tensor
+def test_view_changing_last_dim_gives_the_dequantized_values(q):
+    result = q.view(4, 16 * 48)  # computed when used, never stored (ops.DequantizedView)
+    assert not isinstance(result, qtensor.QuantizedTensor) and result.shape == (4, 16 * 48)
     assert_same_values(result, q.dequantize().view(4, 16 * 48))
+    assert type(result + 0) is torch.Tensor
+    before = q.dequantize()
+    result.add_(1)  # a write into such a view does not reach q (README "Known limits")
+    assert_same_values(q.dequantize(), before)
 
 
 def test_identity_as_strided_is_an_alias(q):
@@ -139,6 +143,17 @@ def test_dim0_split_breaking_a_columnwise_block_raises(fmt_name, block):
         q.split(20)
     with pytest.raises(ValueError, match="breaks a block"):
         q[5:40]
+
+
+@pytest.mark.parametrize("fmt_name", ["mxfp8", "nvfp4", "hybrid"])
+def test_a_slice_ending_inside_a_block_keeps_exact_values_but_cannot_be_requantized(fmt_name):
+    q = FORMATS[fmt_name]().quantize(sample(64, 48))
+    head = q[:40]  # starts on a block boundary, ends inside the second 32-row block
+    for direction in ("rowwise", "columnwise"):
+        assert_same_values(head.dequantize(torch.float32, direction), q.dequantize(torch.float32, direction)[:40])
+    with pytest.raises(ValueError, match="share a"):
+        head.copy_(sample(40, 48, seed=3))
+    head.clone().copy_(sample(40, 48, seed=3))  # a copy owns its blocks
 
 
 def test_dim0_split_of_rowwise_only_block_format_is_free():

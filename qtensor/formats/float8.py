@@ -9,6 +9,7 @@ from ..numerics import (
     check_choice,
     check_fp8_dtype,
     finite_amax,
+    tensor_amax,
     fp32,
     fp8_max,
     round_down_pow2,
@@ -57,6 +58,7 @@ class Float8Storage(Storage):
 
     format_name = "float8"
     option_values = {"fp8_dtype": FP8_DTYPES}
+    rebuilds_other_direction = True
 
     @classmethod
     def layout(cls, direction, rows, cols, fp8_dtype):
@@ -128,7 +130,7 @@ class Float8Quantizer(Quantizer):
     def compute_scale(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 scale this quantizer would use for `x` now (DESIGN.md §2)."""
         if self.scaling == "current":
-            amax = torch.maximum(finite_amax(x), fp32(self.amax_epsilon, x.device))
+            amax = torch.maximum(tensor_amax(x), fp32(self.amax_epsilon, x.device))
             return self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype)))
         if _replaying and self.last_scale is not None:
             return self.last_scale.to(x.device)
@@ -158,7 +160,7 @@ class Float8Quantizer(Quantizer):
         data = quantize_per_tensor(x, scale, self.fp8_dtype)
         scale_inv = fp32(1.0, x.device) / scale
         if update_state and self.scaling == "delayed" and not _replaying:
-            self.record_amax(finite_amax(x))
+            self.record_amax(tensor_amax(x))
             self.last_scale = scale
         rows, cols = x.shape
         rowwise_storage = Float8Storage(

@@ -8,7 +8,7 @@ from ..numerics import (
     block_amax,
     ceil_div,
     expand_blocks,
-    finite_amax,
+    tensor_amax,
     fp32,
     pad_to_multiple,
     scale_from_amax,
@@ -215,7 +215,7 @@ class NVFP4Quantizer(Quantizer):
         # Quantized zeros (update_state=False) draw no random numbers: the generator stays put.
         stochastic = self.stochastic_rounding and update_state
         generator = self._generator(x.device) if stochastic else None
-        global_amax = finite_amax(x)
+        global_amax = tensor_amax(x)
         s_enc = encode_scale(global_amax)
         tiles = tile_amax(x) if self.block_2d else None
         common = dict(rows=rows, cols=cols, rht=self.rht)
@@ -231,7 +231,7 @@ class NVFP4Quantizer(Quantizer):
             column_amax, column_s_enc = global_amax, s_enc
             if self.rht:
                 x_t = apply_rht(pad_to_multiple(x_t, BLOCK_SIZE, dim=1))
-                column_amax = finite_amax(x_t)
+                column_amax = tensor_amax(x_t)
                 column_s_enc = encode_scale(column_amax)
             if self.block_2d:
                 amax = tiles.t().repeat_interleave(BLOCK_SIZE, 0)[:cols]

@@ -1,0 +1,230 @@
+"""FSDP2 all-gather extensions: every format gathers its low-precision bytes (DESIGN.md §4).
+
+`QuantizedTensor` (weights="quantized") and `DynamicWeight` (weights="dynamic", which quantizes its
+local shard first) implement FSDP2's `fsdp_pre_all_gather` / `fsdp_post_all_gather` through the two
+functions here, written once over the buffer contract:
+
+- Each gather carries only the direction its GEMM reads: the forward gather the rowwise copy (plus
+  what the backward reads when no re-gather follows, `reshard_after_forward=False`), the
+  pre-backward re-gather the backward's direction. A direction the format rebuilds locally from
+  another (Float8's transpose) is never sent.
+- Each rank pads its shard to the padded shard's rows with zero codes and sends the per-row
+  buffers as uint8 (gloo cannot carry float8). Tensor-wide buffers are not sent: the shards were
+  quantized with one amax, reduced over the mesh, so every rank already holds them.
+- With uneven shards FSDP2 needs every input to have the padded shard's shape: the bytes are then
+  packed into one tensor of that shape and the smallest integer dtype that holds them.
+- The gathered pieces are cut back to each rank's real rows and concatenated along each buffer's
+  declared row axis; later gathers write into the unsharded tensor's buffers in place.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .numerics import ceil_div
+from .storage import DIRECTIONS, Storage
+from .tensor import QuantizedTensor, rows_per_index
+
+_PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """What one all-gather carries and how to rebuild the unsharded tensor from it."""
+
+    directions: tuple[str, ...]  # the directions whose bytes are sent
+    rebuilt: tuple[str, ...]  # directions made locally from a sent one after the gather
+    shard_rows: int  # rows of the padded shard's 2-D view
+    packed: bool  # uneven shards: the input has the padded shard's shape
+    world_size: int
+
+
+def calling_fsdp_param():
+    """The FSDPParam asking for the gather (FSDP2 calls the hook from its `all_gather_inputs`),
+    for the parameter's name and whether a re-gather follows the forward; None if not found."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, FSDPParam):
+            return candidate
+    return None
+
+
+def directions_needed(linear_quantizers, fsdp_param) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """The directions the GEMMs of this phase read, and every set a gather of this parameter may
+    need (FSDP2 sizes its all-gather buffers once: each gather sends the same number of bytes)."""
+    override = linear_quantizers.backward_override if linear_quantizers is not None else None
+    # high_precision saves the forward's dequantized weight; dequantized saves the rowwise copy.
+    backward = "columnwise" if override is None else "rowwise"
+    both = tuple(dict.fromkeys(("rowwise", backward)))
+    regather = fsdp_param is not None and fsdp_param.post_forward_mesh_info is not None
+    phases = (("rowwise",), (backward,)) if regather else (("rowwise",), both)
+    if torch._C._current_graph_task_id() != -1:  # the pre-backward re-gather runs inside backward
+        return (backward,), phases
+    if regather or not torch.is_grad_enabled():
+        return ("rowwise",), phases
+    return both, phases
+
+
+def parameter_name(fsdp_param) -> str:
+    return getattr(fsdp_param, "_param_fqn", None) or "a sharded quantized parameter"
+
+
+def check_block_boundaries(tensor: QuantizedTensor, directions, shard_rows: int, name: str) -> None:
+    """A shard edge must fall on a block boundary of every direction that is gathered (DESIGN.md §4)."""
+    for direction in directions:
+        storage = tensor.storage_for(direction)
+        block = storage.row_block()
+        if shard_rows % block:
+            raise ValueError(
+                f"{name}: FSDP2 shards its {tensor.shape[0]} rows into pieces of {shard_rows} "
+                f"(2-D view rows), which cuts the {block}-row blocks of its {storage.format_name} "
+                f"{direction} copy. Use a row count that divides into multiples of {block} per rank, "
+                f"shard over fewer ranks, or keep this layer out of quantize_ with filter_fn."
+            )
+
+
+def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed, name: str):
+    """The all-gather input (the needed directions' bytes, as one uint8 payload) and the plan."""
+    directions, phases = needed
+    world_size = mesh.size()
+    shard_rows = ceil_div(outer_size[0], world_size) * _rows_per_index(outer_size)
+    rebuilt, sent = _split_rebuilt(tensor, directions)
+    check_block_boundaries(tensor, {d for phase in phases for d in _split_rebuilt(tensor, phase)[1]}, shard_rows, name)
+    pieces = [b for d in sent for b in _row_buffers(tensor.storage_for(d).zero_padded(shard_rows))]
+    # Every gather of this parameter sends the same number of bytes: the most any phase sends.
+    capacity = max(_payload_bytes(tensor, _split_rebuilt(tensor, phase)[1], shard_rows) for phase in phases)
+    packed = outer_size[0] % world_size != 0
+    if packed:  # uneven shards: FSDP2 wants the input in the padded shard's shape
+        padded_shape = (ceil_div(outer_size[0], world_size), *outer_size[1:])
+        dtype = next(d for d in _PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
+        payload = torch.zeros(padded_shape, dtype=dtype, device=tensor.device)
+    else:
+        payload = torch.zeros(capacity, dtype=torch.uint8, device=tensor.device)
+    raw, offset = payload.view(-1).view(torch.uint8), 0
+    for buffer in pieces:
+        raw[offset : offset + buffer.nbytes].copy_(buffer.reshape(-1).view(torch.uint8))
+        offset += _aligned(buffer.nbytes)
+    return (payload,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size)
+
+
+def post_all_gather(
+    local: QuantizedTensor, outputs, plan: GatherPlan, outer_size: torch.Size, dtype: torch.dtype, out=None
+):
+    """The unsharded tensor (first call: `(tensor, inner_tensors)`), or `out` updated in place."""
+    total_rows = outer_size[0] * _rows_per_index(outer_size)
+    (output,) = outputs
+    raw = output.reshape(-1).view(torch.uint8)
+    per_rank = raw.numel() // plan.world_size
+    templates = {d: local.storage_for(d) for d in plan.directions}
+    pieces: dict[str, list[Storage]] = {d: [] for d in plan.directions}
+    for rank in range(plan.world_size):
+        rows = max(0, min(plan.shard_rows, total_rows - rank * plan.shard_rows))
+        offset = rank * per_rank
+        for direction, template in templates.items():
+            buffers = {}
+            for spec in template.layout(template.direction, plan.shard_rows, template.cols, **template.options):
+                if spec.tensor_wide:  # not sent: every rank holds the same one
+                    buffers[spec.name] = getattr(template, spec.name)
+                    continue
+                nbytes = math.prod(spec.shape) * spec.dtype.itemsize
+                buffers[spec.name] = raw[offset : offset + nbytes].view(spec.dtype).reshape(spec.shape)
+                offset += _aligned(nbytes)
+            if rows:
+                pieces[direction].append(template.rebuilt(buffers, rows=plan.shard_rows).slice_rows(0, rows))
+    gathered = {d: type(templates[d]).cat_rows(pieces[d]) for d in plan.directions}
+    for direction in plan.rebuilt:
+        shared = local.columnwise is local.rowwise
+        gathered[direction] = gathered["rowwise"] if shared else gathered["rowwise"].to_direction(direction)
+    if out is not None:
+        _write_into(out, gathered)
+        return None
+    # The unsharded tensor owns all its buffers: FSDP2 frees them between uses, and the tensor-wide
+    # ones must not be the local shard's (one copy, shared by both directions as in the shard).
+    copies: dict[int, torch.Tensor] = {}
+    for direction, storage in gathered.items():
+        for spec in storage.buffer_specs():
+            if spec.tensor_wide:
+                buffer = getattr(storage, spec.name)
+                setattr(storage, spec.name, copies.setdefault(id(buffer), buffer.clone()))
+    storages = {}
+    for direction in DIRECTIONS:
+        present = getattr(local, direction)
+        if direction in gathered:
+            storages[direction] = gathered[direction]
+        elif present is not None:
+            # Not read in this phase: allocated here, filled in place by the gather that needs it.
+            storages[direction] = _empty_like_rows(present, total_rows, copies)
+        else:
+            storages[direction] = None
+    unsharded = local.with_storages(storages["rowwise"], storages["columnwise"], shape=torch.Size(outer_size), dtype=dtype)
+    buffers, _ = unsharded.to_buffers(quantizer_state=False)
+    return unsharded, tuple(buffers.values())
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _rows_per_index(shape) -> int:
+    return rows_per_index(shape) if len(shape) > 1 else 1
+
+
+def _split_rebuilt(tensor: QuantizedTensor, directions) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(directions rebuilt locally after the gather, directions whose bytes are sent)."""
+    rebuilt = ("columnwise",) if "columnwise" in directions and _rebuilds_columnwise(tensor) else ()
+    sent = tuple(dict.fromkeys((("rowwise",) if rebuilt else ()) + tuple(d for d in directions if d not in rebuilt)))
+    return rebuilt, sent
+
+
+def _payload_bytes(tensor: QuantizedTensor, sent, shard_rows: int) -> int:
+    total = 0
+    for direction in sent:
+        storage = tensor.storage_for(direction)
+        for spec in storage.layout(storage.direction, shard_rows, storage.cols, **storage.options):
+            if not spec.tensor_wide:
+                total += _aligned(math.prod(spec.shape) * spec.dtype.itemsize)
+    return total
+
+
+def _rebuilds_columnwise(tensor: QuantizedTensor) -> bool:
+    """Whether the columnwise copy is made from the rowwise one after the gather instead of sent."""
+    if tensor.columnwise is not None and tensor.columnwise is tensor.rowwise:
+        return True  # one storage serves both (Identity)
+    rowwise, columnwise = tensor.rowwise, tensor.columnwise
+    return rowwise is not None and type(rowwise).rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise)) and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
+
+
+def _row_buffers(storage: Storage) -> list[torch.Tensor]:
+    return [getattr(storage, spec.name) for spec in storage.buffer_specs() if not spec.tensor_wide]
+
+
+def _aligned(nbytes: int) -> int:
+    return ceil_div(nbytes, 8) * 8
+
+
+def _empty_like_rows(storage: Storage, rows: int, copies: dict) -> Storage:
+    buffers = {}
+    for spec in storage.layout(storage.direction, rows, storage.cols, **storage.options):
+        if spec.tensor_wide:
+            buffer = getattr(storage, spec.name)
+            buffers[spec.name] = copies.setdefault(id(buffer), buffer.clone())
+        else:
+            buffers[spec.name] = torch.empty(spec.shape, dtype=spec.dtype, device=storage.device)
+    return storage.rebuilt(buffers, rows=rows)
+
+
+def _write_into(out: QuantizedTensor, gathered: dict[str, Storage]) -> None:
+    done = set()
+    for direction, storage in gathered.items():
+        mine = getattr(out, direction)
+        for name, target in mine.buffers.items():
+            if id(target) not in done:
+                done.add(id(target))
+                target.copy_(storage.buffers[name])

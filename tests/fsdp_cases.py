@@ -1,0 +1,163 @@
+"""Training scenarios run both in one process and under FSDP2 with 2 gloo ranks (test_fsdp.py).
+
+`python tests/fsdp_cases.py OUT` is one rank of the distributed run (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT set by the test); it runs every scenario and writes rank 0's results to OUT.
+Every rank sees the same batches, so the averaged gradients equal the single-process ones and the
+two runs must agree.
+"""
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtensor
+
+RECIPES = {
+    "float8_current": qtensor.recipes.float8_current,
+    "float8_delayed": qtensor.recipes.float8_delayed,
+    "mxfp8": qtensor.recipes.mxfp8,
+    "nvfp4": qtensor.recipes.nvfp4,
+    "hybrid": qtensor.recipes.mxfp8_fwd_nvfp4_bwd,
+}
+# (recipe, weights, reshard_after_forward)
+SCENARIOS = [(recipe, weights, True) for recipe in RECIPES for weights in ("dynamic", "quantized")] + [
+    ("mxfp8", "dynamic", False),
+    ("hybrid", "quantized", False),
+]
+STEPS = 3
+WIDTH, HIDDEN, OUT = 64, 128, 63  # 63 output rows: uneven shards (32 + 31) on 2 ranks
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build(recipe: str, weights: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = Net()
+    qtensor.quantize_(model, RECIPES[recipe](), weights=weights, strict=True)
+    return model
+
+
+def batches():
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x = torch.randn(16, WIDTH, generator=generator)
+        yield x, torch.randn(16, OUT, generator=generator)
+
+
+def train(model: nn.Module, weights: str) -> dict:
+    """Losses of a few steps, then the logits on a fixed batch."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if weights == "quantized":
+        optimizer = qtensor.optim.MasterWeights(optimizer)
+    torch.manual_seed(2)  # stochastic rounding draws from here, the same in both runs
+    losses = []
+    for x, target in batches():
+        loss = F.mse_loss(model(x), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits = model(torch.ones(4, WIDTH))
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {"losses": losses, "logits": logits}
+
+
+GATHER_LOG: list = []
+
+
+def _counting(original):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
+        plan = metadata[0]
+        GATHER_LOG.append(
+            {
+                "bytes": sum(t.numel() * t.element_size() for t in inputs),
+                "bf16_bytes": 2 * -(-outer_size[0] // mesh.size()) * outer_size[1:].numel(),
+                "directions": list(plan.directions) if plan is not None else [],
+                "packed": bool(plan and plan.packed),
+                "rows": outer_size[0],
+            }
+        )
+        return inputs, metadata
+
+    return fsdp_pre_all_gather
+
+
+def count_all_gather_bytes():
+    """Record, per all-gather, the bytes handed to it against the bf16 bytes of the same shard."""
+    for cls in (qtensor.QuantizedTensor, qtensor.DynamicWeight):
+        cls.fsdp_pre_all_gather = _counting(cls.fsdp_pre_all_gather)
+
+
+def run_distributed(out_path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results = {}
+    count_all_gather_bytes()
+    for recipe, weights, reshard in SCENARIOS:
+        model = build(recipe, weights)
+        GATHER_LOG.clear()
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        result = train(model, weights)
+        result["all_gathers"] = list(GATHER_LOG)
+        results[(recipe, weights, reshard)] = result
+    # A shard edge that cuts an MXFP8 columnwise block (48 rows per rank, blocks of 32).
+    torch.manual_seed(0)
+    bad = nn.Sequential(nn.Linear(32, 96))
+    qtensor.quantize_(bad, qtensor.recipes.mxfp8())
+    fully_shard(bad, mesh=mesh)
+    try:
+        bad(torch.randn(4, 32)).sum().backward()
+        results["block_error"] = None
+    except ValueError as error:
+        results["block_error"] = str(error)
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        run_distributed(sys.argv[1])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # DESIGN.md §4: a 2-process gloo run can abort at interpreter exit; leave without the teardown.
+    os._exit(code)
