@@ -70,9 +70,9 @@ def directions_needed(linear_quantizers, fsdp_param) -> tuple[tuple[str, ...], t
     phases = (("rowwise",), (backward,)) if regather else (("rowwise",), both)
     if torch._C._current_graph_task_id() != -1:  # the pre-backward re-gather runs inside backward
         return (backward,), phases
-    if regather or not torch.is_grad_enabled():
-        return ("rowwise",), phases
-    return both, phases
+    # FSDP2 gathers under no_grad whatever the forward does: without a re-gather the forward's
+    # gather must bring what a backward would read.
+    return (("rowwise",) if regather else both), phases
 
 
 def parameter_name(fsdp_param) -> str:

@@ -123,7 +123,10 @@ def run_distributed(out_path: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = {}
     count_all_gather_bytes()
+    only = os.environ.get("FSDP_CASES_ONLY")  # "recipe,weights,reshard" while debugging one scenario
     for recipe, weights, reshard in SCENARIOS:
+        if only and only != f"{recipe},{weights},{reshard}":
+            continue
         model = build(recipe, weights)
         GATHER_LOG.clear()
         for block in model.layers:
