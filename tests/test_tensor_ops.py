@@ -151,7 +151,7 @@ def test_a_slice_ending_inside_a_block_keeps_exact_values_but_cannot_be_requanti
     head = q[:40]  # starts on a block boundary, ends inside the second 32-row block
     for direction in ("rowwise", "columnwise"):
         assert_same_values(head.dequantize(torch.float32, direction), q.dequantize(torch.float32, direction)[:40])
-    with pytest.raises(ValueError, match="share a"):
+    with pytest.raises(ValueError, match="share a|covers the whole tensor"):
         head.copy_(sample(40, 48, seed=3))
     head.clone().copy_(sample(40, 48, seed=3))  # a copy owns its blocks
 
