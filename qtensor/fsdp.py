@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .numerics import ceil_div
+from .numerics import ceil_div, reduce_amax_over
 from .storage import DIRECTIONS, Storage
 from .tensor import QuantizedTensor, rows_per_index
 
@@ -43,40 +43,50 @@ class GatherPlan:
     world_size: int
 
 
-def calling_fsdp_param():
-    """The FSDPParam asking for the gather (FSDP2 calls the hook from its `all_gather_inputs`),
-    for the parameter's name and whether a re-gather follows the forward; None if not found."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+@dataclass(frozen=True)
+class Caller:
+    """What FSDP2 does not pass to the hook, read off its calling frames: the parameter's name and
+    whether its group re-gathers before backward (False for the root, which FSDP2 keeps unsharded)."""
 
+    name: str
+    regather: bool
+
+
+def calling_fsdp_param() -> Caller:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    param = group = None
     frame = sys._getframe(1)
-    for _ in range(6):
+    for _ in range(12):
         frame = frame.f_back
         if frame is None:
-            return None
+            break
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, FSDPParam):
-            return candidate
-    return None
+        if param is None and isinstance(candidate, FSDPParam):
+            param = candidate
+        if isinstance(candidate, FSDPParamGroup):
+            group = candidate
+            break
+    name = getattr(param, "_param_fqn", None) or "a sharded quantized parameter"
+    # Not found: gather what a backward would read too (correct, more bytes).
+    return Caller(name, group is not None and group._reshard_after_forward)
 
 
-def directions_needed(linear_quantizers, fsdp_param) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+def directions_needed(linear_quantizers, caller: Caller) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
     """The directions the GEMMs of this phase read, and every set a gather of this parameter may
     need (FSDP2 sizes its all-gather buffers once: each gather sends the same number of bytes)."""
     override = linear_quantizers.backward_override if linear_quantizers is not None else None
     # high_precision saves the forward's dequantized weight; dequantized saves the rowwise copy.
     backward = "columnwise" if override is None else "rowwise"
     both = tuple(dict.fromkeys(("rowwise", backward)))
-    regather = fsdp_param is not None and fsdp_param.post_forward_mesh_info is not None
+    regather = caller.regather
     phases = (("rowwise",), (backward,)) if regather else (("rowwise",), both)
     if torch._C._current_graph_task_id() != -1:  # the pre-backward re-gather runs inside backward
         return (backward,), phases
     # FSDP2 gathers under no_grad whatever the forward does: without a re-gather the forward's
     # gather must bring what a backward would read.
     return (("rowwise",) if regather else both), phases
-
-
-def parameter_name(fsdp_param) -> str:
-    return getattr(fsdp_param, "_param_fqn", None) or "a sharded quantized parameter"
 
 
 def check_block_boundaries(tensor: QuantizedTensor, directions, shard_rows: int, name: str) -> None:
@@ -91,6 +101,34 @@ def check_block_boundaries(tensor: QuantizedTensor, directions, shard_rows: int,
                 f"{direction} copy. Use a row count that divides into multiples of {block} per rank, "
                 f"shard over fewer ranks, or keep this layer out of quantize_ with filter_fn."
             )
+
+
+def agree_on_scales(tensor: QuantizedTensor, group) -> None:
+    """Make every rank's shard use one tensor-wide scale. A shard written without the mesh's amax
+    (initialised after `to_empty`, loaded from plain values) may hold its own; then every rank
+    requantizes its shard from its exact values with the amax reduced over the mesh."""
+    from .ops import mark_scales, scales_agreed
+
+    if scales_agreed(tensor):
+        return
+    import torch.distributed as dist
+
+    values = [
+        getattr(storage, spec.name).float().reshape(-1)
+        for storage in (tensor.rowwise, tensor.columnwise)
+        if storage is not None
+        for spec in storage.buffer_specs()
+        if spec.tensor_wide
+    ]
+    if values:
+        high = torch.cat(values)
+        low = -high
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(high, -low):  # the same answer on every rank: all requantize or none
+            with reduce_amax_over(group), torch.no_grad():
+                tensor.copy_(tensor.dequantize())
+    mark_scales(tensor, True)
 
 
 def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed, name: str):
@@ -216,7 +254,11 @@ def _empty_like_rows(storage: Storage, rows: int, copies: dict) -> Storage:
             buffer = getattr(storage, spec.name)
             buffers[spec.name] = copies.setdefault(id(buffer), buffer.clone())
         else:
-            buffers[spec.name] = torch.empty(spec.shape, dtype=spec.dtype, device=storage.device)
+            # Poisoned until the gather that needs it fills it: 0xFF bytes are NaN in every
+            # format's scale or element codes, so a read before then shows, never passes silently.
+            poisoned = torch.empty(spec.shape, dtype=spec.dtype, device=storage.device)
+            poisoned.reshape(-1).view(torch.uint8).fill_(0xFF)
+            buffers[spec.name] = poisoned
     return storage.rebuilt(buffers, rows=rows)
 
 

@@ -34,6 +34,8 @@ def _ieee_fp32():
 
 
 def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.is_meta:  # shape propagation through a model built on the meta device
+        return a @ b
     # Neither an enclosing autocast nor TF32 may lower the reference product's precision.
     with torch.autocast(a.device.type, enabled=False), _ieee_fp32():
         return a @ b

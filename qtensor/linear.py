@@ -85,7 +85,7 @@ def _plain(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
+    if not x.is_meta and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return torch.promote_types(x.dtype, weight.dtype)
 
@@ -368,15 +368,15 @@ class DynamicWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         from . import fsdp
 
-        fsdp_param = fsdp.calling_fsdp_param()
+        caller = fsdp.calling_fsdp_param()
         values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
         if self.linear_quantizers.weight is None:  # the weight role stays in high precision
             padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
             padded[: values.shape[0]].copy_(values)
             return (padded,), (None, outer_size, None)
         quantized = self._quantized_shard(values, mesh)
-        needed = fsdp.directions_needed(self.linear_quantizers, fsdp_param)
-        inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, fsdp.parameter_name(fsdp_param))
+        needed = fsdp.directions_needed(self.linear_quantizers, caller)
+        inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, caller.name)
         return inputs, (plan, outer_size, quantized)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

@@ -165,13 +165,33 @@ def _copy(func, args, kwargs):
     if isinstance(src, QuantizedTensor) and _byte_compatible(self, src):
         _check_tensor_wide_buffers_match(self, src)
         _copy_storages(self, src)
+        # The bytes carry their scale's standing with them (FSDP2 re-pads a shard by copying it).
+        mark_scales(self, scales_agreed(src))
         return self
     _check_not_a_slice_of_tensor_wide_scale(self)
     plain = src.dequantize() if isinstance(src, QuantizedTensor) else src
     plain = plain.to(device=self.device, dtype=self.dtype).expand(self.shape)
     fresh = self.quantizer.quantize(plain, rowwise=self.has_rowwise, columnwise=self.has_columnwise)
     _copy_storages(self, fresh)
+    # A shard written outside reduce_amax_over has a scale of its own rows: fsdp.py checks, at its
+    # next all-gather, that every rank's scale agrees.
+    mark_scales(self, numerics.sharded_quantization())
     return self
+
+
+def _tensor_wide_buffers(tensor: QuantizedTensor) -> list[torch.Tensor]:
+    return [getattr(storage, name) for _, storage in _storages(tensor) for name in _tensor_wide(storage)]
+
+
+def mark_scales(tensor: QuantizedTensor, agreed: bool) -> None:
+    """Record on the tensor-wide buffers (the objects every slice of the tensor shares) whether
+    they are known to be the whole sharded tensor's (DESIGN.md §4)."""
+    for buffer in _tensor_wide_buffers(tensor):
+        buffer._qtensor_scale_agreed = agreed
+
+
+def scales_agreed(tensor: QuantizedTensor) -> bool:
+    return all(getattr(buffer, "_qtensor_scale_agreed", True) for buffer in _tensor_wide_buffers(tensor))
 
 
 def _storages(tensor: QuantizedTensor):
@@ -190,6 +210,8 @@ def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
         # the new scale is the whole tensor's, and the padding rows are zero codes under any scale.
         return
     for direction, storage in _storages(self):
+        if storage.row_slice and (_tensor_wide(storage) or storage.ends_mid_block()) and storage.rest_is_zero():
+            continue  # the rows sharing its scales are zeros (FSDP2's zero-padded uneven shard)
         if storage.row_slice and _tensor_wide(storage):
             raise ValueError(
                 f"Cannot quantize into a row slice of a {type(self).__name__}: its "
@@ -207,6 +229,8 @@ def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
 
 def _check_tensor_wide_buffers_match(self: QuantizedTensor, src: QuantizedTensor) -> None:
     """Bytes copied into a row slice must keep the scale the rest of the tensor shares."""
+    if self.is_meta:  # no values to compare (a model built on the meta device)
+        return
     for direction, mine in _storages(self):
         theirs = getattr(src, direction)
         if mine.row_slice and any(not torch.equal(getattr(mine, n), getattr(theirs, n)) for n in _tensor_wide(mine)):
@@ -242,7 +266,7 @@ def quantized_zeros(self: QuantizedTensor, shape, dtype=None, device=None) -> Qu
     # Zero codes are zero under any scale: keep self's tensor-wide buffers (its scale), so that
     # self's bytes can be copied into rows of the result (FSDP2: new_zeros, then narrow().copy_()).
     for fresh, mine in ((rowwise, self.rowwise), (columnwise, self.columnwise)):
-        if fresh is None or mine is None:
+        if fresh is None or mine is None or self.is_meta or fresh.device.type == "meta":
             continue
         for spec in fresh.buffer_specs():
             if spec.tensor_wide:

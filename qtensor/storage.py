@@ -179,7 +179,20 @@ class Storage:
                 first, last = spec.entries(start), spec.entries(stop)
                 pieces[spec.name] = buffer.narrow(spec.row_axis, first, last - first)
         whole = start == 0 and stop == self.rows
-        return self.rebuilt(pieces, rows=stop - start, row_slice=self.row_slice or not whole)
+        piece = self.rebuilt(pieces, rows=stop - start, row_slice=self.row_slice or not whole)
+        if not whole:
+            piece.slice_of = (self, start, stop)  # what ops.copy_ checks before requantizing it
+        return piece
+
+    def rest_is_zero(self) -> bool:
+        """For a row slice: every row of what it was cut from, outside it, holds zero (so a new
+        scale for the slice changes no other value). False when that is unknown."""
+        parent, start, stop = self.__dict__.get("slice_of") or (None, 0, 0)
+        if parent is None:
+            return False
+        values = parent.dequantize()
+        outside_zero = bool((values[:start] == 0).all() and (values[stop:] == 0).all())
+        return outside_zero and (not parent.row_slice or parent.rest_is_zero())
 
     def zero_padded(self, rows: int) -> "Storage":
         """This storage extended to `rows` rows with zero codes (zero in every format; a partial

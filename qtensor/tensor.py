@@ -292,9 +292,10 @@ class QuantizedTensor(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         from . import fsdp
 
-        fsdp_param = fsdp.calling_fsdp_param()
-        needed = fsdp.directions_needed(self.linear_quantizers, fsdp_param)
-        inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, fsdp.parameter_name(fsdp_param))
+        caller = fsdp.calling_fsdp_param()
+        fsdp.agree_on_scales(self, mesh.get_group())
+        needed = fsdp.directions_needed(self.linear_quantizers, caller)
+        inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, caller.name)
         return inputs, (plan, outer_size, self)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

@@ -135,6 +135,29 @@ def run_distributed(out_path: str) -> None:
         result = train(model, weights)
         result["all_gathers"] = list(GATHER_LOG)
         results[(recipe, weights, reshard)] = result
+    # torchtitan's order for models too large for one device: meta, quantize_, fully_shard, to_empty, init.
+    for recipe, weights in (("float8_current", "quantized"), ("hybrid", "dynamic")):
+        if only and only != "meta":
+            break
+        with torch.device("meta"):
+            model = Net()
+        qtensor.quantize_(model, RECIPES[recipe](), weights=weights)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        torch.manual_seed(dist.get_rank())  # each rank initialises its own shards differently
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+        result = train(model, weights)
+        local = model.layers[0].up.weight._local_tensor
+        result["local_type"] = type(local).__name__
+        if isinstance(local, qtensor.QuantizedTensor):
+            scales = [torch.zeros(()) for _ in range(dist.get_world_size())]
+            dist.all_gather(scales, local.rowwise.scale_inv.clone())
+            result["scales"] = [float(x) for x in scales]
+        results[("meta", recipe, weights)] = result
     # A shard edge that cuts an MXFP8 columnwise block (48 rows per rank, blocks of 32).
     torch.manual_seed(0)
     bad = nn.Sequential(nn.Linear(32, 96))

@@ -74,3 +74,33 @@ def test_all_gathers_carry_low_precision_bytes_of_one_direction(distributed, rec
 def test_a_shard_that_cuts_a_block_raises_naming_the_parameter(distributed):
     message = distributed["block_error"]
     assert message is not None and "0.weight" in message and "32-row blocks" in message and "48" in message
+
+
+@pytest.mark.parametrize("recipe, weights", [("float8_current", "quantized"), ("hybrid", "dynamic")])
+def test_meta_device_init_then_fully_shard_trains_quantized(distributed, recipe, weights):
+    result = distributed[("meta", recipe, weights)]
+    assert all(torch.isfinite(torch.tensor(result["losses"])))
+    assert result["local_type"] == ("Float8Tensor" if weights == "quantized" else "DynamicWeight")
+    if "scales" in result:  # shards initialised apart were brought to one scale before the first gather
+        assert len(set(result["scales"])) == 1, result["scales"]
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", ["float8_delayed", "mxfp8", "nvfp4", "hybrid"])
+def test_meta_device_init_on_one_process_equals_eager_init(recipe, weights):
+    eager = fsdp_cases.build(recipe, weights)
+    with torch.device("meta"):
+        model = fsdp_cases.Net()
+    qtensor.quantize_(model, fsdp_cases.RECIPES[recipe](), weights=weights)
+    assert model(torch.randn(4, fsdp_cases.WIDTH, device="meta")).shape == (4, fsdp_cases.OUT)  # shapes propagate
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)  # build() seeds 0 before constructing: the same draws, in the same order
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+    for (name, mine), (_, theirs) in zip(model.state_dict().items(), eager.state_dict().items()):
+        assert type(mine) is type(theirs), name
+        plain = mine.dequantize() if isinstance(mine, qtensor.QuantizedTensor) else mine
+        expected = theirs.dequantize() if isinstance(theirs, qtensor.QuantizedTensor) else theirs
+        assert torch.equal(plain, expected), name
+    assert fsdp_cases.train(model, weights)["losses"] == fsdp_cases.train(fsdp_cases.build(recipe, weights), weights)["losses"]

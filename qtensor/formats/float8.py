@@ -146,6 +146,8 @@ class Float8Quantizer(Quantizer):
 
     def _history_on(self, device: torch.device) -> torch.Tensor:
         """The history, moved once to the device the data lives on (then updated there in place)."""
+        if torch.device(device).type == "meta":
+            return self.amax_history.to("meta")  # shapes only; the real history stays
         self.move_state(device)
         return self.amax_history
 
