@@ -135,10 +135,28 @@ def run_distributed(out_path: str) -> None:
         result = train(model, weights)
         result["all_gathers"] = list(GATHER_LOG)
         results[(recipe, weights, reshard)] = result
+    # MixedPrecisionPolicy(param_dtype=bf16): the gathered weight is a bf16 quantized tensor.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for weights in ("dynamic", "quantized"):
+        if only and only != "mixed":
+            break
+        model = build("mxfp8", weights)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        seen = {}
+        model.layers[0].up.register_forward_pre_hook(
+            lambda module, args: seen.update(weight=(type(module.weight).__name__, module.weight.dtype))
+        )
+        result = train(model, weights)
+        result["gathered_weight"] = seen["weight"]
+        results[("mixed", weights)] = result
     # torchtitan's order for models too large for one device: meta, quantize_, fully_shard, to_empty, init.
     for recipe, weights in (("float8_current", "quantized"), ("hybrid", "dynamic")):
         if only and only != "meta":
-            break
+            break  # noqa
         with torch.device("meta"):
             model = Net()
         qtensor.quantize_(model, RECIPES[recipe](), weights=weights)

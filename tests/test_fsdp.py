@@ -104,3 +104,12 @@ def test_meta_device_init_on_one_process_equals_eager_init(recipe, weights):
         expected = theirs.dequantize() if isinstance(theirs, qtensor.QuantizedTensor) else theirs
         assert torch.equal(plain, expected), name
     assert fsdp_cases.train(model, weights)["losses"] == fsdp_cases.train(fsdp_cases.build(recipe, weights), weights)["losses"]
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_mixed_precision_policy_gathers_a_bf16_quantized_weight(distributed, weights):
+    result = distributed[("mixed", weights)]
+    assert result["gathered_weight"] == ("MXFP8Tensor", torch.bfloat16)
+    single = fsdp_cases.train(fsdp_cases.build("mxfp8", weights), weights)
+    # bf16 compute against fp32: close, not equal
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=2e-2, atol=0)
