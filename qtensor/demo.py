@@ -1,6 +1,7 @@
 """qtensor's main job: train one stock transformer language model under several recipes.
 
     python -m qtensor.demo [--steps N] [--d-model D] [--layers L] [--device cpu|cuda]
+    torchrun --nproc-per-node N -m qtensor.demo --fsdp     (FSDP2: gloo on CPU, NCCL on GPUs)
 
 The model is built in code (nn.TransformerEncoder layers with a causal mask, an embedding and an
 output head) and learns to write sums ("37+45=82;") from a synthetic stream, so nothing is
@@ -26,6 +27,7 @@ from torch import nn
 from . import recipes
 from .checkpoint import load_model, save_model
 from .formats_table import print_formats_table
+from .fsdp import gather_stats
 from .linear import DynamicWeight
 from .optim import MasterWeights
 from .quantize import quantize_
@@ -106,7 +108,7 @@ def linear_weight_bytes(model: nn.Module) -> tuple[int, int]:
     for module in model.modules():
         if not isinstance(module, nn.Linear):
             continue
-        weight = module.weight
+        weight = getattr(module.weight, "_local_tensor", module.weight)  # a sharded model: this rank's shard
         if isinstance(weight, DynamicWeight) and weight.linear_quantizers.weight is not None:
             weight = weight.linear_quantizers.weight.quantize(weight.plain().detach())
         if isinstance(weight, QuantizedTensor):
@@ -125,12 +127,12 @@ def _rowwise_nbytes(weight: QuantizedTensor) -> int:
 
 
 class ProgressBar:
-    def __init__(self, total: int, label: str, width: int = 30):
-        self.total, self.label, self.width = total, label, width
+    def __init__(self, total: int, label: str, width: int = 30, quiet: bool = False):
+        self.total, self.label, self.width, self.quiet = total, label, width, quiet
         self.interactive = sys.stderr.isatty()
 
     def update(self, step: int, loss: float) -> None:
-        if not self.interactive and step not in (1, self.total):
+        if self.quiet or (not self.interactive and step not in (1, self.total)):
             return
         filled = self.width * step // self.total
         end = "\n" if step == self.total or not self.interactive else ""
@@ -142,15 +144,48 @@ class ProgressBar:
         )
 
 
-def train(run: Run, base: nn.Module, args, device: torch.device) -> dict:
+class Sharding:
+    """--fsdp: one process of a torchrun launch. Every rank trains on the same batches, so the
+    table is the single-process one; FSDP2 (fully_shard on each block, then the root) shards the
+    weights and all-gathers them in low precision."""
+
+    def __init__(self, device_type: str):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.mesh = init_device_mesh(device_type, (self.world_size,))
+
+    def shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.blocks.layers:
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train(run: Run, base: nn.Module, args, device: torch.device, sharding: Sharding | None = None) -> dict:
     model = copy.deepcopy(base).to(device)
     if run.recipe is not None:
         quantize_(model, run.recipe, weights=run.weights)
+    if sharding is not None:
+        sharding.shard(model)
+        gather_stats(reset=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if run.weights == "quantized":
         optimizer = MasterWeights(optimizer)
     generator = torch.Generator().manual_seed(args.seed)
-    bar = ProgressBar(args.steps, run.name)
+    bar = ProgressBar(args.steps, run.name, quiet=sharding is not None and sharding.rank != 0)
     losses, times = [], []
     for step in range(1, args.steps + 1):
         tokens = sums_stream(args.batch, args.length, generator).to(device)
@@ -167,11 +202,14 @@ def train(run: Run, base: nn.Module, args, device: torch.device) -> dict:
         losses.append(loss.item())
         bar.update(step, losses[-1])
     tail = max(1, args.steps // 10)
+    gathered = gather_stats(reset=True)
     return {
         "final_loss": sum(losses[-tail:]) / tail,
         "weight_bytes": linear_weight_bytes(model),
         "step_ms": 1000 * sorted(times[1:] or times)[len(times[1:] or times) // 2],
-        "checkpoint": save_and_reload(run, model, base, args, device) if run.recipe is not None else None,
+        # Sharded checkpoints (torch.distributed.checkpoint) are not in yet: no reload under --fsdp.
+        "checkpoint": save_and_reload(run, model, base, args, device) if run.recipe is not None and sharding is None else None,
+        "gathered": (gathered["bytes"] / args.steps, gathered["bf16_bytes"] / args.steps) if sharding else None,
     }
 
 
@@ -203,8 +241,12 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="*", help="run only the recipes whose names contain one of these (and bf16)")
     parser.add_argument("--formats", action="store_true", help="print the per-format error table and exit")
     parser.add_argument("--save-dir", help="where each run's model is saved (default: a temporary directory)")
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (launch with torchrun --nproc-per-node N)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    sharding = Sharding(device.type) if args.fsdp else None
+    if sharding is not None:
+        device = sharding.device
     if args.formats:
         print_formats_table(device=args.device)
         return
@@ -214,35 +256,64 @@ def main(argv=None) -> None:
     runs = [
         r for r in demo_runs() if not args.only or r.name == "bf16" or any(o in r.name + r.family for o in args.only)
     ]
-    print(
-        f"TinyLM d_model={args.d_model} layers={args.layers} on {device}: {args.steps} steps of "
-        f"{args.batch}x{args.length} tokens per recipe (uniform guess: loss {math.log(len(VOCABULARY)):.3f})",
-        file=sys.stderr,
-    )
+    lead = sharding is None or sharding.rank == 0
+    if lead:
+        where = f"{sharding.world_size} ranks (FSDP2)" if sharding else str(device)
+        print(
+            f"TinyLM d_model={args.d_model} layers={args.layers} on {where}: {args.steps} steps of "
+            f"{args.batch}x{args.length} tokens per recipe (uniform guess: loss {math.log(len(VOCABULARY)):.3f})",
+            file=sys.stderr,
+        )
     with tempfile.TemporaryDirectory() as scratch:
         args.save_dir = args.save_dir or scratch
         os.makedirs(args.save_dir, exist_ok=True)
-        results = {run.name: train(run, base, args, device) for run in runs}
+        results = {run.name: train(run, base, args, device, sharding) for run in runs}
+    if lead:
+        print_table(results, args, sharding)
+    if sharding is not None:
+        sharding.close()
+        # DESIGN.md §4: a gloo process group can abort at interpreter exit; leave without the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
+
+def print_table(results: dict, args, sharding: Sharding | None) -> None:
     baseline = results["bf16"]["final_loss"]
-    print(f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'weight KiB fwd/all':>20}{'step ms':>10}{'file KiB':>10}  reload")
+    last = f"{'all-gather KiB/step (bf16)':>28}" if sharding else f"{'file KiB':>10}  reload"
+    print(f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'weight KiB fwd/all':>20}{'step ms':>10}{last}")
     for name, result in results.items():
         gap = result["final_loss"] - baseline
         forward, total = result["weight_bytes"]
-        saved = result["checkpoint"]
-        checkpoint = f"{saved[0] / 1024:>10.1f}  {'identical' if saved[1] else 'DIFFERENT'}" if saved else f"{'':>10}  -"
+        if sharding:
+            sent, bf16 = result["gathered"]
+            tail = f"{sent / 1024:>19.1f} ({bf16 / 1024:.1f})" if sent else f"{'-':>19}"
+        else:
+            saved = result["checkpoint"]
+            tail = f"{saved[0] / 1024:>10.1f}  {'identical' if saved[1] else 'DIFFERENT'}" if saved else f"{'':>10}  -"
         print(
             f"{name:<26}{result['final_loss']:>11.4f}{gap:>+13.4f}"
-            f"{forward / 1024:>11.1f} /{total / 1024:>7.1f}{result['step_ms']:>10.1f}{checkpoint}"
+            f"{forward / 1024:>11.1f} /{total / 1024:>7.1f}{result['step_ms']:>10.1f}{tail}"
         )
-    reloaded = [r["checkpoint"][1] for r in results.values() if r["checkpoint"]]
     print(
         f"final loss: mean of the last {max(1, args.steps // 10)} steps. weight KiB: the nn.Linear weights "
-        "as the GEMMs read them, forward copy / forward and backward copies (bf16 serves both).\n"
-        "file KiB / reload: each quantized run's final model saved with qtensor.save_model, loaded with "
-        "qtensor.load_model into a fresh model quantized with the same recipe; its logits were identical "
-        f"in {sum(reloaded)} of {len(reloaded)} runs."
+        "as the GEMMs read them, forward copy / forward and backward copies (bf16 serves both)"
+        + (", of this rank's shards." if sharding else ".")
     )
+    if sharding:
+        print(
+            "all-gather KiB/step: what one rank handed to FSDP2's all-gathers of the quantized weights per "
+            "step (forward gather and backward re-gather), and in parentheses what bf16 weights would have "
+            "sent. Every rank trains on the same batches, so the losses are the single-process ones. "
+            "Sharded checkpoints are not saved in this mode yet."
+        )
+    else:
+        reloaded = [r["checkpoint"][1] for r in results.values() if r["checkpoint"]]
+        print(
+            "file KiB / reload: each quantized run's final model saved with qtensor.save_model, loaded with "
+            "qtensor.load_model into a fresh model quantized with the same recipe; its logits were identical "
+            f"in {sum(reloaded)} of {len(reloaded)} runs."
+        )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,24 @@ from .tensor import QuantizedTensor, rows_per_index
 
 _PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
+# Bytes this process handed to FSDP2 all-gathers of qtensor weights, and what bf16 would have sent.
+_STATS = {"all_gathers": 0, "bytes": 0, "bf16_bytes": 0}
+
+
+def gather_stats(reset: bool = False) -> dict[str, int]:
+    """{"all_gathers", "bytes", "bf16_bytes"} handed to all-gathers by this process since the last
+    reset: what qtensor weights sent, and what the same shards would have sent in bf16."""
+    stats = dict(_STATS)
+    if reset:
+        _STATS.update(all_gathers=0, bytes=0, bf16_bytes=0)
+    return stats
+
+
+def count_gather(inputs, mesh, outer_size) -> None:
+    _STATS["all_gathers"] += 1
+    _STATS["bytes"] += sum(t.numel() * t.element_size() for t in inputs)
+    _STATS["bf16_bytes"] += 2 * ceil_div(outer_size[0], mesh.size()) * math.prod(outer_size[1:])
+
 
 @dataclass(frozen=True)
 class GatherPlan:
@@ -131,6 +149,20 @@ def agree_on_scales(tensor: QuantizedTensor, group) -> None:
     mark_scales(tensor, True)
 
 
+def without_autocast(function):
+    """FSDP2 runs the hooks inside the module's forward, under the caller's autocast, which would
+    promote the buffers torch.cat joins (and knows no float8): the gather works on bytes."""
+
+    def wrapped(tensor, *args, **kwargs):
+        if tensor.device.type == "meta":
+            return function(tensor, *args, **kwargs)
+        with torch.autocast(tensor.device.type, enabled=False):
+            return function(tensor, *args, **kwargs)
+
+    return wrapped
+
+
+@without_autocast
 def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed, name: str):
     """The all-gather input (the needed directions' bytes, as one uint8 payload) and the plan."""
     directions, phases = needed
@@ -152,9 +184,11 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
     for buffer in pieces:
         raw[offset : offset + buffer.nbytes].copy_(buffer.reshape(-1).view(torch.uint8))
         offset += _aligned(buffer.nbytes)
+    count_gather((payload,), mesh, outer_size)
     return (payload,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size)
 
 
+@without_autocast
 def post_all_gather(
     local: QuantizedTensor, outputs, plan: GatherPlan, outer_size: torch.Size, dtype: torch.dtype, out=None
 ):

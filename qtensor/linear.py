@@ -373,6 +373,7 @@ class DynamicWeight(torch.Tensor):
         if self.linear_quantizers.weight is None:  # the weight role stays in high precision
             padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
             padded[: values.shape[0]].copy_(values)
+            fsdp.count_gather((padded,), mesh, outer_size)
             return (padded,), (None, outer_size, None)
         quantized = self._quantized_shard(values, mesh)
         needed = fsdp.directions_needed(self.linear_quantizers, caller)
@@ -403,7 +404,7 @@ class DynamicWeight(torch.Tensor):
             return cached[1]
         from .numerics import reduce_amax_over
 
-        with reduce_amax_over(mesh.get_group()):
+        with reduce_amax_over(mesh.get_group()), torch.autocast(values.device.type, enabled=False):
             quantized = self.linear_quantizers.weight.quantize(values, rowwise=True, columnwise=True)
         quantized.linear_quantizers = self.linear_quantizers
         self._shard_cache = (key, quantized)

@@ -113,3 +113,22 @@ def test_mixed_precision_policy_gathers_a_bf16_quantized_weight(distributed, wei
     single = fsdp_cases.train(fsdp_cases.build("mxfp8", weights), weights)
     # bf16 compute against fp32: close, not equal
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=2e-2, atol=0)
+
+
+def test_the_main_job_under_torchrun_prints_the_single_process_losses_and_the_gathered_bytes(capsys):
+    from qtensor import demo
+
+    arguments = ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "4", "--length", "16", "--only", "nvfp4", "mxfp8,"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+               "-m", "qtensor.demo", "--fsdp", "--device", "cpu", *arguments]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    sharded = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line[:1].isalpha() and "all-gather" not in line}
+    demo.main([*arguments, "--device", "cpu"])
+    single = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isalpha()}
+    for name in ("bf16", "nvfp4", "mxfp8,"):
+        assert sharded[name][1] == single[name][1], (name, sharded[name], single[name])  # final loss, as printed
+    nvfp4 = sharded["nvfp4"]
+    sent, bf16 = float(nvfp4[-2]), float(nvfp4[-1].strip("()"))
+    assert 0 < sent <= 0.3 * bf16
