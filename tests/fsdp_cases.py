@@ -28,6 +28,8 @@ SCENARIOS = [(recipe, weights, True) for recipe in RECIPES for weights in ("dyna
     ("hybrid", "quantized", False),
 ]
 STEPS = 3
+# QTENSOR_TEST_DEVICE=cuda: NCCL with one GPU per rank (the device machine), the reference on the GPU too.
+DEVICE = os.environ.get("QTENSOR_TEST_DEVICE", "cpu")
 WIDTH, HIDDEN, OUT = 64, 128, 63  # 63 output rows: uneven shards (32 + 31) on 2 ranks
 
 
@@ -55,16 +57,22 @@ class Net(nn.Module):
 
 def build(recipe: str, weights: str) -> nn.Module:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device())
     qtensor.quantize_(model, RECIPES[recipe](), weights=weights, strict=True)
     return model
+
+
+def device() -> torch.device:
+    if DEVICE == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def batches():
     generator = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x = torch.randn(16, WIDTH, generator=generator)
-        yield x, torch.randn(16, OUT, generator=generator)
+        yield x.to(device()), torch.randn(16, OUT, generator=generator).to(device())
 
 
 def train(model: nn.Module, weights: str) -> dict:
@@ -82,7 +90,7 @@ def train(model: nn.Module, weights: str) -> dict:
         optimizer.zero_grad()
         losses.append(loss.item())
     with torch.no_grad():
-        logits = model(torch.ones(4, WIDTH))
+        logits = model(torch.ones(4, WIDTH, device=device()))
     logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     return {"losses": losses, "logits": logits}
 
@@ -119,8 +127,10 @@ def run_distributed(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
     results = {}
     count_all_gather_bytes()
     only = os.environ.get("FSDP_CASES_ONLY")  # "recipe,weights,reshard" while debugging one scenario
@@ -163,7 +173,7 @@ def run_distributed(out_path: str) -> None:
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device())
         torch.manual_seed(dist.get_rank())  # each rank initialises its own shards differently
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -172,22 +182,22 @@ def run_distributed(out_path: str) -> None:
         local = model.layers[0].up.weight._local_tensor
         result["local_type"] = type(local).__name__
         if isinstance(local, qtensor.QuantizedTensor):
-            scales = [torch.zeros(()) for _ in range(dist.get_world_size())]
+            scales = [torch.zeros((), device=device()) for _ in range(dist.get_world_size())]
             dist.all_gather(scales, local.rowwise.scale_inv.clone())
             result["scales"] = [float(x) for x in scales]
         results[("meta", recipe, weights)] = result
     # A shard edge that cuts an MXFP8 columnwise block (48 rows per rank, blocks of 32).
     torch.manual_seed(0)
-    bad = nn.Sequential(nn.Linear(32, 96))
+    bad = nn.Sequential(nn.Linear(32, 96)).to(device())
     qtensor.quantize_(bad, qtensor.recipes.mxfp8())
     fully_shard(bad, mesh=mesh)
     try:
-        bad(torch.randn(4, 32)).sum().backward()
+        bad(torch.randn(4, 32, device=device())).sum().backward()
         results["block_error"] = None
     except ValueError as error:
         results["block_error"] = str(error)
     if dist.get_rank() == 0:
-        torch.save(results, out_path)
+        torch.save(results, out_path)  # (tensors stay on their device; the test loads them there)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -87,13 +87,14 @@ def test_meta_device_init_then_fully_shard_trains_quantized(distributed, recipe,
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 @pytest.mark.parametrize("recipe", ["float8_delayed", "mxfp8", "nvfp4", "hybrid"])
-def test_meta_device_init_on_one_process_equals_eager_init(recipe, weights):
+def test_meta_device_init_on_one_process_equals_eager_init(recipe, weights, monkeypatch):
+    monkeypatch.setattr(fsdp_cases, "DEVICE", "cpu")  # the CPU generator's draws, in both builds
     eager = fsdp_cases.build(recipe, weights)
     with torch.device("meta"):
         model = fsdp_cases.Net()
     qtensor.quantize_(model, fsdp_cases.RECIPES[recipe](), weights=weights)
     assert model(torch.randn(4, fsdp_cases.WIDTH, device="meta")).shape == (4, fsdp_cases.OUT)  # shapes propagate
-    model.to_empty(device="cpu")
+    model.to_empty(device=fsdp_cases.device())
     torch.manual_seed(0)  # build() seeds 0 before constructing: the same draws, in the same order
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
