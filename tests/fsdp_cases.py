@@ -83,7 +83,7 @@ def train(model: nn.Module, weights: str) -> dict:
     torch.manual_seed(2)  # stochastic rounding draws from here, the same in both runs
     losses = []
     for x, target in batches():
-        loss = F.mse_loss(model(x), target)
+        loss = F.mse_loss(model(x).float(), target)  # the loss in fp32 (bf16 logits under MixedPrecisionPolicy)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
         optimizer.step()
