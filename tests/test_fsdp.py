@@ -4,6 +4,7 @@ One launch of two worker processes runs every scenario (fsdp_cases.py); the test
 its results with the same scenarios run in this process.
 """
 
+import ast
 import os
 import socket
 import subprocess
@@ -133,3 +134,20 @@ def test_the_main_job_under_torchrun_prints_the_single_process_losses_and_the_ga
     nvfp4 = sharded["nvfp4"]
     sent, bf16 = float(nvfp4[-2]), float(nvfp4[-1].strip("()"))
     assert 0 < sent <= 0.3 * bf16
+
+
+def test_the_readme_fsdp_example_runs_under_torchrun(tmp_path):
+    import re
+
+    readme = open(os.path.join(os.path.dirname(HERE), "README.md")).read()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "fully_shard" in b]
+    script = tmp_path / "train.py"
+    script.write_text(block + "\n    dist.destroy_process_group()\n    os._exit(0)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = [line for line in done.stdout.splitlines() if "bf16_bytes" in line]
+    assert len(stats) == 2  # one line per rank
+    numbers = ast.literal_eval(stats[0])  # {'all_gathers': ..., 'bytes': ..., 'bf16_bytes': ...}
+    assert numbers["all_gathers"] > 0 and 0 < numbers["bytes"] < numbers["bf16_bytes"]
