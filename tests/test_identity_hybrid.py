@@ -1,6 +1,5 @@
 """Identity and hybrid quantization numerics against the numpy oracle (DESIGN.md §2)."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -8,7 +8,6 @@ from ..numerics import (
     FP8_DTYPES,
     check_choice,
     check_fp8_dtype,
-    finite_amax,
     tensor_amax,
     fp32,
     fp8_max,
