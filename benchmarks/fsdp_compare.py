@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="float8_current")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-autocast", action="store_true")
+    parser.add_argument("--no-foreach", action="store_true", help="AdamW(foreach=False) in both runs")
     args = parser.parse_args()
     sharded = "RANK" in os.environ
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,7 +48,10 @@ def main() -> None:
         for layer in model.blocks.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    # On CUDA AdamW picks its foreach implementation for plain and DTensor parameters but not for a
+    # DynamicWeight (a wrapper subclass): --no-foreach makes both runs use the same one.
+    foreach = False if args.no_foreach else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, foreach=foreach)
     generator = torch.Generator().manual_seed(0)
     lead = not sharded or dist.get_rank() == 0
     for step in range(1, args.steps + 1):
