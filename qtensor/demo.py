@@ -304,9 +304,8 @@ def print_table(results: dict, args, sharding: Sharding | None) -> None:
         print(
             "all-gather KiB/step: what one rank handed to FSDP2's all-gathers of the quantized weights per "
             "step (forward gather and backward re-gather), and in parentheses what bf16 weights would have "
-            "sent. Every rank trains on the same batches, so the losses compare with the single-process run "
-            "(equal on CPU; on GPUs the quantized recipes drift apart over many steps, README \"Known limits\"). "
-            "Sharded checkpoints are not saved in this mode yet."
+            "sent. Every rank trains on the same batches, so the losses are the single-process ones (on GPUs up "
+            "to AdamW's foreach rounding, README \"Known limits\"). Sharded checkpoints are not saved in this mode yet."
         )
     else:
         reloaded = [r["checkpoint"][1] for r in results.values() if r["checkpoint"]]
