@@ -228,13 +228,41 @@ def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
 
 
 def _check_tensor_wide_buffers_match(self: QuantizedTensor, src: QuantizedTensor) -> None:
-    """Bytes copied into a row slice must keep the scale the rest of the tensor shares."""
+    """Bytes copied into a row slice must keep the scale the rest of the tensor shares. Inside a
+    torch.distributed.checkpoint load the slice adopts the source's scale instead: DCP fills every
+    row of the tensor from one checkpoint, whose shards share one scale (DESIGN.md §4)."""
     if self.is_meta:  # no values to compare (a model built on the meta device)
         return
     for direction, mine in _storages(self):
         theirs = getattr(src, direction)
-        if mine.row_slice and any(not torch.equal(getattr(mine, n), getattr(theirs, n)) for n in _tensor_wide(mine)):
-            _check_not_a_slice_of_tensor_wide_scale(self)
+        differing = [n for n in _tensor_wide(mine) if not torch.equal(getattr(mine, n), getattr(theirs, n))]
+        if not (mine.row_slice and differing):
+            continue
+        if _inside_checkpoint_load():
+            for name in differing:
+                getattr(mine, name).copy_(getattr(theirs, name))
+            continue
+        _check_not_a_slice_of_tensor_wide_scale(self)
+
+
+def _inside_checkpoint_load() -> bool:
+    """True when torch.distributed.checkpoint's load is copying a saved chunk into this tensor."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(30):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint") and frame.f_code.co_name in (
+            "load",
+            "_load_state_dict",
+            "read_data",
+            "commit_tensor",
+            "_load_state_dict_from_keys",
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:

@@ -55,8 +55,11 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def build(recipe: str, weights: str) -> nn.Module:
-    torch.manual_seed(0)
+DCP_CASES = [("float8_current", "quantized"), ("hybrid", "quantized"), ("nvfp4", "dynamic")]
+
+
+def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     model = Net().to(device())
     qtensor.quantize_(model, RECIPES[recipe](), weights=weights, strict=True)
     return model
@@ -66,6 +69,15 @@ def device() -> torch.device:
     if DEVICE == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def sharded(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def batches():
@@ -186,6 +198,54 @@ def run_distributed(out_path: str) -> None:
             dist.all_gather(scales, local.rowwise.scale_inv.clone())
             result["scales"] = [float(x) for x in scales]
         results[("meta", recipe, weights)] = result
+    # torch.distributed.checkpoint: 2 -> 2 here, 1 -> 2 from the test's single-process saves, and
+    # the 2-rank saves for the test to load into one process (2 -> 1).
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    folder = os.path.dirname(out_path)
+    for recipe, weights in DCP_CASES:
+        if only and only != "dcp":
+            break
+        model = sharded(build(recipe, weights), mesh)
+        train(model, weights)
+        dcp.save(model.state_dict(), checkpoint_id=os.path.join(folder, f"dcp2_{recipe}_{weights}"))
+        fresh = sharded(build(recipe, weights, seed=7), mesh)
+        dcp.load(fresh.state_dict(), checkpoint_id=os.path.join(folder, f"dcp2_{recipe}_{weights}"))
+        from_one = sharded(build(recipe, weights, seed=8), mesh)
+        dcp.load(from_one.state_dict(), checkpoint_id=os.path.join(folder, f"dcp1_{recipe}_{weights}"))
+        probe = torch.ones(4, WIDTH, device=device())
+        with torch.no_grad():
+            results[("dcp", recipe, weights)] = {"saved": model(probe), "reloaded": fresh(probe), "from_one_rank": from_one(probe)}
+    # Optimizer state through DCP (dynamic weights, plain AdamW): a reloaded run takes the same next step.
+    if not only or only == "dcp":
+        runs = []
+        for seed in (0, 9):
+            model = sharded(build("mxfp8", "dynamic", seed=seed), mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            runs.append((model, optimizer))
+        model, optimizer = runs[0]
+        x, target = next(batches())
+        F.mse_loss(model(x).float(), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=os.path.join(folder, "dcp_optim"))
+        other, other_optimizer = runs[1]
+        F.mse_loss(other(x).float(), target).backward()  # creates the optimizer state to load into
+        other_optimizer.step()
+        other_optimizer.zero_grad()
+        loaded = {"model": other.state_dict(), "optim": get_optimizer_state_dict(other, other_optimizer)}
+        dcp.load(loaded, checkpoint_id=os.path.join(folder, "dcp_optim"))
+        set_optimizer_state_dict(other, other_optimizer, loaded["optim"])
+        losses = []
+        for m, o in ((model, optimizer), (other, other_optimizer)):
+            loss = F.mse_loss(m(x).float(), target)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(F.mse_loss(m(x).float(), target).item())
+        results["dcp_optimizer"] = losses
     # A shard edge that cuts an MXFP8 columnwise block (48 rows per rank, blocks of 32).
     torch.manual_seed(0)
     bad = nn.Sequential(nn.Linear(32, 96)).to(device())

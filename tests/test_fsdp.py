@@ -30,6 +30,16 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
+    # One-process checkpoints for the workers to load into 2 ranks (1 -> 2), and their logits.
+    import torch.distributed.checkpoint as dcp
+
+    single_logits = {}
+    for recipe, weights in fsdp_cases.DCP_CASES:
+        model = fsdp_cases.build(recipe, weights, seed=3)
+        fsdp_cases.train(model, weights)
+        dcp.save(model.state_dict(), checkpoint_id=str(out.parent / f"dcp1_{recipe}_{weights}"), no_dist=True)
+        with torch.no_grad():
+            single_logits[(recipe, weights)] = model(torch.ones(4, fsdp_cases.WIDTH, device=fsdp_cases.device()))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     workers = [
@@ -39,7 +49,10 @@ def distributed(tmp_path_factory):
     ]
     outputs = [worker.communicate(timeout=240)[0] for worker in workers]
     assert all(worker.returncode == 0 for worker in workers), "\n".join(outputs)[-6000:]
-    return torch.load(out, weights_only=False)
+    results = torch.load(out, weights_only=False)
+    results["folder"] = out.parent
+    results["single_logits"] = single_logits
+    return results
 
 
 @pytest.mark.parametrize("recipe, weights, reshard", fsdp_cases.SCENARIOS)
@@ -151,3 +164,22 @@ def test_the_readme_fsdp_example_runs_under_torchrun(tmp_path):
     assert len(stats) == 2  # one line per rank
     numbers = ast.literal_eval(stats[0])  # {'all_gathers': ..., 'bytes': ..., 'bf16_bytes': ...}
     assert numbers["all_gathers"] > 0 and 0 < numbers["bytes"] < numbers["bf16_bytes"]
+
+
+@pytest.mark.parametrize("recipe, weights", fsdp_cases.DCP_CASES)
+def test_distributed_checkpoint_round_trips_and_reshards_between_one_and_two_ranks(distributed, recipe, weights):
+    import torch.distributed.checkpoint as dcp
+
+    result = distributed[("dcp", recipe, weights)]
+    assert torch.equal(result["reloaded"], result["saved"])  # 2 ranks -> 2 ranks
+    assert torch.equal(result["from_one_rank"], distributed["single_logits"][(recipe, weights)])  # 1 -> 2
+    model = fsdp_cases.build(recipe, weights, seed=11)  # 2 -> 1
+    dcp.load(model.state_dict(), checkpoint_id=str(distributed["folder"] / f"dcp2_{recipe}_{weights}"), no_dist=True)
+    with torch.no_grad():
+        logits = model(torch.ones(4, fsdp_cases.WIDTH, device=fsdp_cases.device()))
+    assert torch.equal(logits, result["saved"])
+
+
+def test_distributed_checkpoint_carries_the_optimizer_state(distributed):
+    original, reloaded = distributed["dcp_optimizer"]
+    assert original == reloaded
