@@ -67,6 +67,9 @@ def load_file(filename, device="cpu") -> dict[str, torch.Tensor]:
 def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = None, max_shard_size=None) -> None:
     """Write `model.state_dict()` (quantized weights, running state) with tied weights saved once.
 
+    A model sharded with FSDP2 is saved whole: call it on every rank (it gathers the shards, quantized
+    weights in low precision) and rank 0 writes the file that a single-process model loads.
+
     With `max_shard_size` (bytes, or a string like "5GB") the model is written as Hugging Face-style
     shards `<stem>-00001-of-0000N.safetensors` next to `filename`, plus `<filename>.index.json`
     mapping every stored tensor to its shard (one shard: a single file, as Hugging Face does).
@@ -76,7 +79,24 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
     entries = {key: value for key, value in state.items() if key not in tied}
     user = _user_metadata(metadata)
     filename = os.fspath(filename)
-    shards = _plan_shards(entries, _parse_size(max_shard_size)) if max_shard_size is not None else [list(entries)]
+    max_bytes = _parse_size(max_shard_size) if max_shard_size is not None else None  # on every rank, first
+    if any(hasattr(value, "_local_tensor") for value in entries.values()):
+        # A sharded (FSDP2) model: every rank gathers the whole tensors (quantized ones as their
+        # low-precision bytes), rank 0 writes, and every rank returns once the files exist.
+        import torch.distributed as dist
+
+        from .fsdp import full_tensor
+
+        entries = {key: full_tensor(value, key) for key, value in entries.items()}
+        if dist.get_rank() == 0:
+            _save_entries(entries, filename, user, tied, max_bytes)
+        dist.barrier()
+        return
+    _save_entries(entries, filename, user, tied, max_bytes)
+
+
+def _save_entries(entries: dict, filename: str, user: dict, tied: dict, max_bytes: int | None) -> None:
+    shards = _plan_shards(entries, max_bytes) if max_bytes is not None else [list(entries)]
     directory, base = os.path.split(filename)
     if len(shards) == 1:
         _write(entries, filename, user, tied)

@@ -243,6 +243,27 @@ def post_all_gather(
     return unsharded, tuple(buffers.values())
 
 
+def full_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
+    """The whole tensor behind a sharded (DTensor) state_dict entry, on every rank: a quantized one
+    gathered as its low-precision bytes (every direction it holds), anything else by DTensor."""
+    local = getattr(value, "_local_tensor", None)
+    if not isinstance(local, QuantizedTensor):
+        return value.full_tensor() if local is not None else value
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    if tuple(value.placements) != (Shard(0),):
+        raise ValueError(f"{name}: gathering a quantized tensor sharded as {value.placements} is not supported; FSDP2 shards on dim 0.")
+    mesh, outer_size = value.device_mesh, value.shape
+    directions = tuple(d for d in DIRECTIONS if getattr(local, d) is not None)
+    (payload,), plan = pre_all_gather(local, mesh, outer_size, (directions, (directions,)), name)
+    payload = payload.reshape(-1).view(torch.uint8)
+    output = payload.new_empty(payload.numel() * mesh.size())
+    dist.all_gather_into_tensor(output, payload, group=mesh.get_group())
+    whole, _ = post_all_gather(local, (output,), plan, outer_size, local.dtype)
+    return whole
+
+
 # ---- helpers -------------------------------------------------------------------------------------
 def _rows_per_index(shape) -> int:
     return rows_per_index(shape) if len(shape) > 1 else 1

@@ -210,6 +210,7 @@ def run_distributed(out_path: str) -> None:
         model = sharded(build(recipe, weights), mesh)
         train(model, weights)
         dcp.save(model.state_dict(), checkpoint_id=os.path.join(folder, f"dcp2_{recipe}_{weights}"))
+        qtensor.save_model(model, os.path.join(folder, f"full_{recipe}_{weights}.safetensors"))  # every rank
         fresh = sharded(build(recipe, weights, seed=7), mesh)
         dcp.load(fresh.state_dict(), checkpoint_id=os.path.join(folder, f"dcp2_{recipe}_{weights}"))
         from_one = sharded(build(recipe, weights, seed=8), mesh)

@@ -183,3 +183,13 @@ def test_distributed_checkpoint_round_trips_and_reshards_between_one_and_two_ran
 def test_distributed_checkpoint_carries_the_optimizer_state(distributed):
     original, reloaded = distributed["dcp_optimizer"]
     assert original == reloaded
+
+
+@pytest.mark.parametrize("recipe, weights", fsdp_cases.DCP_CASES)
+def test_save_model_of_a_sharded_model_loads_into_one_process_bitwise(distributed, recipe, weights):
+    result = distributed[("dcp", recipe, weights)]
+    model = fsdp_cases.build(recipe, weights, seed=12)
+    assert qtensor.load_model(model, distributed["folder"] / f"full_{recipe}_{weights}.safetensors") == ([], [])
+    with torch.no_grad():
+        logits = model(torch.ones(4, fsdp_cases.WIDTH, device=fsdp_cases.device()))
+    assert torch.equal(logits, result["saved"])
