@@ -235,7 +235,9 @@ def _check_tensor_wide_buffers_match(self: QuantizedTensor, src: QuantizedTensor
         return
     for direction, mine in _storages(self):
         theirs = getattr(src, direction)
-        differing = [n for n in _tensor_wide(mine) if not torch.equal(getattr(mine, n), getattr(theirs, n))]
+        differing = [  # the source may lie elsewhere (DCP reads chunks to the CPU)
+            n for n in _tensor_wide(mine) if not torch.equal(getattr(mine, n), getattr(theirs, n).to(getattr(mine, n).device))
+        ]
         if not (mine.row_slice and differing):
             continue
         if _inside_checkpoint_load():
