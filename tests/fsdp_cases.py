@@ -247,6 +247,47 @@ def run_distributed(out_path: str) -> None:
             o.zero_grad()
             losses.append(F.mse_loss(m(x).float(), target).item())
         results["dcp_optimizer"] = losses
+    # MasterWeights' state (sharded masters, the wrapped optimizer's moments) through DCP.
+    if not only or only == "dcp":
+        runs = []
+        for seed in (0, 9):
+            model = sharded(build("float8_current", "quantized", seed=seed), mesh)
+            runs.append((model, qtensor.optim.MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2))))
+        x, target = next(batches())
+        for model, optimizer in runs:  # a step each, so both optimizers hold state
+            F.mse_loss(model(x).float(), target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        (model, optimizer), (other, other_optimizer) = runs
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=os.path.join(folder, "dcp_masters"))
+        loaded = {"model": other.state_dict(), "optim": other_optimizer.state_dict()}
+        dcp.load(loaded, checkpoint_id=os.path.join(folder, "dcp_masters"))
+        other_optimizer.load_state_dict(loaded["optim"])
+        losses = []
+        for m, o in runs:
+            F.mse_loss(m(x).float(), target).backward()
+            o.step()
+            o.zero_grad()
+            losses.append(F.mse_loss(m(x).float(), target).item())
+        results["dcp_masters"] = losses
+    # Fewer rows than ranks: a 1-row layer leaves rank 1 an empty shard.
+    if not only or only == "tiny":
+        for weights in ("dynamic", "quantized"):
+            torch.manual_seed(0)
+            tiny = nn.Sequential(nn.Linear(WIDTH, 1)).to(device())
+            qtensor.quantize_(tiny, RECIPES["float8_current"](), weights=weights)
+            fully_shard(tiny, mesh=mesh)
+            optimizer = torch.optim.AdamW(tiny.parameters(), lr=1e-2)
+            if weights == "quantized":
+                optimizer = qtensor.optim.MasterWeights(optimizer)
+            losses = []
+            for x, target in batches():
+                loss = F.mse_loss(tiny(x).float(), target[:, :1])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+            results[("tiny", weights)] = losses
     # A shard edge that cuts an MXFP8 columnwise block (48 rows per rank, blocks of 32).
     torch.manual_seed(0)
     bad = nn.Sequential(nn.Linear(32, 96)).to(device())
