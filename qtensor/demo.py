@@ -207,7 +207,7 @@ def train(run: Run, base: nn.Module, args, device: torch.device, sharding: Shard
         "final_loss": sum(losses[-tail:]) / tail,
         "weight_bytes": linear_weight_bytes(model),
         "step_ms": 1000 * sorted(times[1:] or times)[len(times[1:] or times) // 2],
-        # Sharded checkpoints (torch.distributed.checkpoint) are not in yet: no reload under --fsdp.
+        # Under --fsdp the table reports the all-gather bytes instead of a save and reload.
         "checkpoint": save_and_reload(run, model, base, args, device) if run.recipe is not None and sharding is None else None,
         "gathered": (gathered["bytes"] / args.steps, gathered["bf16_bytes"] / args.steps) if sharding else None,
     }
@@ -305,7 +305,7 @@ def print_table(results: dict, args, sharding: Sharding | None) -> None:
             "all-gather KiB/step: what one rank handed to FSDP2's all-gathers of the quantized weights per "
             "step (forward gather and backward re-gather), and in parentheses what bf16 weights would have "
             "sent. Every rank trains on the same batches, so the losses are the single-process ones (on GPUs up "
-            "to AdamW's foreach rounding, README \"Known limits\"). Sharded checkpoints are not saved in this mode yet."
+            "to AdamW's foreach rounding, README \"Known limits\"). No checkpoint is written in this mode."
         )
     else:
         reloaded = [r["checkpoint"][1] for r in results.values() if r["checkpoint"]]
