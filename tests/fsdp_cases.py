@@ -87,6 +87,13 @@ def batches():
         yield x.to(device()), torch.randn(16, OUT, generator=generator).to(device())
 
 
+def probe_logits(model: nn.Module) -> torch.Tensor:
+    """The model's output on a fixed batch, without autograd (plain on every rank)."""
+    with torch.no_grad():
+        logits = model(torch.ones(4, WIDTH, device=device()))
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+
 def train(model: nn.Module, weights: str) -> dict:
     """Losses of a few steps, then the logits on a fixed batch."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -101,10 +108,7 @@ def train(model: nn.Module, weights: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    with torch.no_grad():
-        logits = model(torch.ones(4, WIDTH, device=device()))
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-    return {"losses": losses, "logits": logits}
+    return {"losses": losses, "logits": probe_logits(model)}
 
 
 GATHER_LOG: list = []
@@ -215,9 +219,11 @@ def run_distributed(out_path: str) -> None:
         dcp.load(fresh.state_dict(), checkpoint_id=os.path.join(folder, f"dcp2_{recipe}_{weights}"))
         from_one = sharded(build(recipe, weights, seed=8), mesh)
         dcp.load(from_one.state_dict(), checkpoint_id=os.path.join(folder, f"dcp1_{recipe}_{weights}"))
-        probe = torch.ones(4, WIDTH, device=device())
-        with torch.no_grad():
-            results[("dcp", recipe, weights)] = {"saved": model(probe), "reloaded": fresh(probe), "from_one_rank": from_one(probe)}
+        results[("dcp", recipe, weights)] = {
+            "saved": probe_logits(model),
+            "reloaded": probe_logits(fresh),
+            "from_one_rank": probe_logits(from_one),
+        }
     # Optimizer state through DCP (dynamic weights, plain AdamW): a reloaded run takes the same next step.
     if not only or only == "dcp":
         runs = []

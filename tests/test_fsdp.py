@@ -38,8 +38,7 @@ def distributed(tmp_path_factory):
         model = fsdp_cases.build(recipe, weights, seed=3)
         fsdp_cases.train(model, weights)
         dcp.save(model.state_dict(), checkpoint_id=str(out.parent / f"dcp1_{recipe}_{weights}"), no_dist=True)
-        with torch.no_grad():
-            single_logits[(recipe, weights)] = model(torch.ones(4, fsdp_cases.WIDTH, device=fsdp_cases.device()))
+        single_logits[(recipe, weights)] = fsdp_cases.probe_logits(model)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     workers = [
@@ -176,9 +175,7 @@ def test_distributed_checkpoint_round_trips_and_reshards_between_one_and_two_ran
     assert torch.equal(result["from_one_rank"], distributed["single_logits"][(recipe, weights)])  # 1 -> 2
     model = fsdp_cases.build(recipe, weights, seed=11)  # 2 -> 1
     dcp.load(model.state_dict(), checkpoint_id=str(distributed["folder"] / f"dcp2_{recipe}_{weights}"), no_dist=True)
-    with torch.no_grad():
-        logits = model(torch.ones(4, fsdp_cases.WIDTH, device=fsdp_cases.device()))
-    assert torch.equal(logits, result["saved"])
+    assert torch.equal(fsdp_cases.probe_logits(model), result["saved"])
 
 
 def test_distributed_checkpoint_carries_the_optimizer_state(distributed):
@@ -191,9 +188,7 @@ def test_save_model_of_a_sharded_model_loads_into_one_process_bitwise(distribute
     result = distributed[("dcp", recipe, weights)]
     model = fsdp_cases.build(recipe, weights, seed=12)
     assert qtensor.load_model(model, distributed["folder"] / f"full_{recipe}_{weights}.safetensors") == ([], [])
-    with torch.no_grad():
-        logits = model(torch.ones(4, fsdp_cases.WIDTH, device=fsdp_cases.device()))
-    assert torch.equal(logits, result["saved"])
+    assert torch.equal(fsdp_cases.probe_logits(model), result["saved"])
 
 
 def test_distributed_checkpoint_carries_master_weights(distributed):
