@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .numerics import reduce_amax_over
 from .tensor import QuantizedTensor
@@ -127,3 +128,30 @@ class MasterWeights:
 
     def __repr__(self) -> str:
         return f"MasterWeights({self.optimizer!r}, master_dtype={self.master_dtype}, masters={len(self.pairs)})"
+
+
+def _check_optimizer_parameters(optimizer, args, kwargs) -> None:
+    """Runs before every torch optimizer step (registered once, globally, by `import qtensor`).
+
+    A torch optimizer stepping a quantized parameter directly creates its state with zeros_like (quantized
+    too) and requantizes every update: training diverges without a word. One holding a parameter that
+    quantize_ replaced trains nothing. Both raise here, at the first step, naming the parameter."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            replaced = param.__dict__.get("_qtensor_replaced")
+            if replaced is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds {replaced} as it was before qtensor replaced it, so it "
+                    "trains nothing. Build the optimizer after qtensor.quantize_(model, ...)."
+                )
+            if is_quantized(param):
+                linear = getattr(param, "linear_quantizers", None) or getattr(getattr(param, "_local_tensor", None), "linear_quantizers", None)
+                name = f"{linear.name}.weight" if linear is not None and linear.name else f"a {type(param).__name__} parameter"
+                raise TypeError(
+                    f"{type(optimizer).__name__} is stepping {name}, a quantized parameter (weights='quantized'), "
+                    "directly: its state and updates would be quantized. Wrap the optimizer: "
+                    "qtensor.optim.MasterWeights(torch.optim.AdamW(model.parameters(), ...))."
+                )
+
+
+register_optimizer_step_pre_hook(_check_optimizer_parameters)

@@ -49,6 +49,16 @@ def quantize_(
     shapes a chosen quantizer cannot take is skipped and reported, or with `strict=True` nothing is
     changed and a ValueError names every such layer.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"quantize_(model, ...) takes an nn.Module, got {type(model).__name__}. To quantize one tensor, "
+            "call a quantizer: qtensor.MXFP8Quantizer().quantize(x)."
+        )
+    if filter_fn is not None and not _takes_module_and_name(filter_fn):
+        raise TypeError(
+            f"quantize_: filter_fn {getattr(filter_fn, '__name__', filter_fn)!r} must take (module, fqn) and "
+            "return True to quantize that layer, e.g. filter_fn=lambda module, fqn: fqn != 'lm_head'."
+        )
     recipe = recipe_or_factory if isinstance(recipe_or_factory, Recipe) else Recipe(recipe_or_factory)
     if weights not in WEIGHT_MODES:
         raise ValueError(f"quantize_: weights must be 'dynamic' or 'quantized', got {weights!r}.")
@@ -80,6 +90,18 @@ def quantize_(
         mode = "quantized" if isinstance(module.weight, QuantizedTensor) else "dynamic"
         report.quantized[linear.name] = f"{linear.describe()}; weights={mode}"
     return report
+
+
+def _takes_module_and_name(function) -> bool:
+    import inspect
+
+    try:
+        inspect.signature(function).bind(None, "")
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: let the call decide
+        return True
+    return True
 
 
 def _check_no_shared_running_state(plan) -> None:
@@ -208,6 +230,8 @@ def _reinstall_after_load(module: nn.Linear, incompatible_keys) -> None:
 def _install_weight(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
     weight = module.weight
     requires_grad = weight.requires_grad
+    # An optimizer built before this call would hold this object, which no longer trains anything.
+    weight._qtensor_replaced = f"{linear.name}.weight" if linear.name else "weight"
     if weights == "quantized" and linear.weight is not None:
         # Both directions: fprop reads the rowwise copy, dgrad the columnwise one.
         quantized = linear.weight.quantize(weight.detach(), rowwise=True, columnwise=True)
@@ -226,6 +250,7 @@ def dequantize_(model: nn.Module) -> None:
                 plain = weight.dequantize()
             else:
                 plain = weight.plain().detach().clone()
+            weight._qtensor_replaced = f"{weight.linear_quantizers.name or 'a layer'}.weight (by dequantize_)"
             module.weight = nn.Parameter(plain, requires_grad=weight.requires_grad)
             for hook in module._qtensor_hooks:
                 hook.remove()

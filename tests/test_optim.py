@@ -120,7 +120,15 @@ def test_refusing_a_stepped_optimizer_leaves_it_untouched():
     inner = torch.optim.Adam(model.parameters())
     x, y = regression_problem()
     nn.functional.mse_loss(model(x), y).backward()
-    inner.step()
+    with pytest.raises(TypeError, match="MasterWeights"):
+        inner.step()  # stepping quantized parameters directly is refused
+    # State it could still hold: loaded from a checkpoint of the same model's optimizer.
+    plain = copy.deepcopy(model)
+    qtensor.dequantize_(plain)
+    plain_optimizer = torch.optim.Adam(plain.parameters())
+    nn.functional.mse_loss(plain(x), y).backward()
+    plain_optimizer.step()
+    inner.load_state_dict(plain_optimizer.state_dict())
     params = list(inner.param_groups[0]["params"])
     with pytest.raises(ValueError, match="not stepped"):
         qtensor.optim.MasterWeights(inner)

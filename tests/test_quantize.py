@@ -317,3 +317,36 @@ def test_transposes_that_are_not_the_matrix_transpose_stay_plain():
     same = weight.transpose(0, 0)
     assert type(same) is torch.Tensor and same.shape == weight.shape
     assert isinstance(weight.transpose(1, 0), qtensor.linear.TransposedWeight)
+
+
+def test_a_plain_optimizer_over_quantized_weights_raises_at_its_first_step():
+    """Without MasterWeights, AdamW's state would be quantized too and the run diverges to NaN."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights="quantized")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 64)).square().mean().backward()
+    before = model[0].weight.dequantize()
+    with pytest.raises(TypeError, match=r"0\.weight.*MasterWeights"):
+        optimizer.step()
+    assert torch.equal(model[0].weight.dequantize(), before)  # nothing was stepped
+    wrapped = qtensor.optim.MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    wrapped.step()  # the supported way
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_an_optimizer_built_before_quantize_raises_naming_the_layer(weights):
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights=weights)
+    model(torch.randn(8, 64)).square().mean().backward()
+    with pytest.raises(ValueError, match=r"0\.weight.*after qtensor\.quantize_"):
+        stale.step()
+
+
+def test_misused_arguments_name_the_argument_and_the_fix():
+    with pytest.raises(TypeError, match="takes an nn.Module, got Tensor.*quantize\\(x\\)"):
+        qtensor.quantize_(torch.zeros(4, 4), qtensor.recipes.mxfp8())
+    with pytest.raises(TypeError, match=r"filter_fn .* must take \(module, fqn\)"):
+        qtensor.quantize_(Model(), qtensor.recipes.mxfp8(), filter_fn=lambda fqn: True)
+    with pytest.raises(TypeError, match="must return a qtensor quantizer or None"):
+        qtensor.quantize_(Model(), lambda role: torch.float8_e4m3fn)
