@@ -12,7 +12,7 @@ from .linear import DynamicWeight, LinearQuantizers
 from .quantize import QuantizeReport, dequantize_, quantize_
 from .quantizer import Quantizer
 from .recipe import Recipe, Role
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, fallback_report, fallbacks
 
 __all__ = [
     "DynamicWeight",
@@ -21,6 +21,8 @@ __all__ = [
     "Recipe",
     "Role",
     "dequantize_",
+    "fallback_report",
+    "fallbacks",
     "load_file",
     "load_model",
     "save_file",

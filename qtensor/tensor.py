@@ -11,12 +11,15 @@ The buffer contract (storage.py) gives every tensor one flat dict of named buffe
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .numerics import FP8_DTYPES, cast_saturating
 from .quantizer import DTYPES_BY_NAME, Quantizer, decode_value, encode_value, quantizer_from_dict, quantizer_to_dict
@@ -510,8 +513,48 @@ def _rebuild_parameter(tensor: torch.Tensor, requires_grad: bool, linear_quantiz
 torch.serialization.add_safe_globals([_rebuild_quantized_tensor])
 
 
+# What happens when an op has no quantized implementation (DESIGN.md §3): "allow" runs it on the
+# dequantized values, "count" does too and counts it, "raise" refuses. QTENSOR_FALLBACKS sets it.
+_FALLBACK_MODES = ("allow", "count", "raise")
+_fallback_mode = os.environ.get("QTENSOR_FALLBACKS", "allow")
+if _fallback_mode not in _FALLBACK_MODES:
+    raise ValueError(f"QTENSOR_FALLBACKS must be one of {_FALLBACK_MODES}, got {_fallback_mode!r}.")
+_fallback_counts: collections.Counter = collections.Counter()
+
+
+@contextlib.contextmanager
+def fallbacks(mode: str = "raise"):
+    """Inside, an op on a quantized tensor that has no quantized implementation, and so would run on
+    its dequantized values, raises (`"raise"`) or is counted (`"count"`, see `fallback_report`)."""
+    global _fallback_mode
+    if mode not in _FALLBACK_MODES:
+        raise ValueError(f"qtensor.fallbacks: mode must be one of {_FALLBACK_MODES}, got {mode!r}.")
+    previous, _fallback_mode = _fallback_mode, mode
+    try:
+        yield
+    finally:
+        _fallback_mode = previous
+
+
+def fallback_report(reset: bool = False) -> dict[tuple[str, str], int]:
+    """{(op, tensor classes): count} of the fallbacks counted under `fallbacks("count")`."""
+    report = dict(_fallback_counts)
+    if reset:
+        _fallback_counts.clear()
+    return report
+
+
 def dequantized_fallback(func, args, kwargs):
     """Run `func` on dequantized values; requantize into any quantized tensor the op writes to."""
+    if _fallback_mode != "allow":
+        classes = "/".join(sorted({type(a).__name__ for a in tree_flatten((args, kwargs))[0] if isinstance(a, QuantizedTensor)}))
+        if _fallback_mode == "raise":
+            raise RuntimeError(
+                f"{func} has no quantized implementation for {classes}: it would run on the dequantized "
+                "values (qtensor.fallbacks('raise') is on). If that is what you want, run it outside the "
+                "context, or on q.dequantize() explicitly."
+            )
+        _fallback_counts[(str(func), classes)] += 1
 
     def unwrap(value):
         return value.dequantize() if isinstance(value, QuantizedTensor) else value

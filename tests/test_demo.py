@@ -24,3 +24,30 @@ def test_formats_table_lists_every_format(capsys):
     out = capsys.readouterr().out
     for name in ("float8", "mxfp8", "nvfp4", "identity", "hybrid"):
         assert name in out
+
+
+def test_a_training_step_of_every_recipe_runs_no_op_on_dequantized_values():
+    """qtensor.fallbacks('raise'): the quantized path of the main job's model has no fallback."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import qtensor
+
+    torch.manual_seed(0)
+    base = demo.TinyLM(len(demo.VOCABULARY), 32, 1, 4, 32)
+    for run in demo.demo_runs()[1:]:
+        model = copy.deepcopy(base)
+        qtensor.quantize_(model, run.recipe, weights=run.weights)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if run.weights == "quantized":
+            optimizer = qtensor.optim.MasterWeights(optimizer)
+        tokens = demo.sums_stream(4, 16, torch.Generator().manual_seed(0))
+        with qtensor.fallbacks("raise"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()

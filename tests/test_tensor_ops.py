@@ -544,3 +544,31 @@ def test_quantized_zeros_leave_the_stochastic_rounding_generator_alone():
         return quantizer.quantize(sample(32, 32, seed=2))
 
     assert_same_bytes(draws(False), draws(True))
+
+
+def test_fallbacks_can_be_made_to_raise_or_be_counted():
+    q = FORMATS["mxfp8"]().quantize(sample(4, 32))
+    assert torch.equal(q + 1, q.dequantize() + 1)  # allowed by default
+    with qtensor.fallbacks("raise"):
+        with pytest.raises(RuntimeError, match=r"aten\.add\.Tensor.*MXFP8Tensor.*dequantized"):
+            q + 1
+        q.detach(), q.clone(), q[:2]  # ops with a quantized implementation run as usual
+    qtensor.fallback_report(reset=True)
+    with qtensor.fallbacks("count"):
+        q.sum(), q.sum(), q * 2
+    report = qtensor.fallback_report(reset=True)
+    assert report[("aten.sum.default", "MXFP8Tensor")] == 2 and report[("aten.mul.Tensor", "MXFP8Tensor")] == 1
+    with pytest.raises(ValueError, match="mode must be"):
+        with qtensor.fallbacks("warn"):
+            pass
+
+
+def test_the_fallback_switch_is_also_an_environment_variable():
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch, qtensor\nq = qtensor.Float8Quantizer().quantize(torch.ones(4, 4))\nq.sum()\n"
+    env = dict(os.environ, QTENSOR_FALLBACKS="raise")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "has no quantized implementation" in done.stderr
