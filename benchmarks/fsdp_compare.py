@@ -8,16 +8,14 @@ where they part shows where a difference enters (step 1: the forward or the firs
 """
 
 import argparse
-import contextlib
 import copy
 import os
 
 import torch
-from torch import nn
 
 import qtensor
 from qtensor import recipes
-from qtensor.demo import VOCABULARY, TinyLM, sums_stream
+from qtensor.demo import VOCABULARY, TinyLM, sums_stream, train_step
 
 
 def main() -> None:
@@ -56,13 +54,7 @@ def main() -> None:
     lead = not sharded or dist.get_rank() == 0
     for step in range(1, args.steps + 1):
         tokens = sums_stream(16, 64, generator).to(device)
-        autocast = contextlib.nullcontext() if args.no_autocast else torch.autocast(device.type, dtype=torch.bfloat16)
-        with autocast:
-            logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = train_step(model, optimizer, tokens, autocast=not args.no_autocast)
         if lead:
             print(f"step {step:3d} loss {loss.item():.9f}", flush=True)
     if sharded:

@@ -13,6 +13,7 @@ the baseline too, use bf16 autocast for the rest of the model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import os
@@ -144,6 +145,19 @@ class ProgressBar:
         )
 
 
+def train_step(model: nn.Module, optimizer, tokens: torch.Tensor, autocast: bool = True) -> torch.Tensor:
+    """One optimizer step of next-token prediction on `tokens` [batch, length + 1], the rest of the
+    model under bf16 autocast (as every run of the main job); returns the loss."""
+    context = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with context:
+        logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 class Sharding:
     """--fsdp: one process of a torchrun launch. Every rank trains on the same batches, so the
     table is the single-process one; FSDP2 (fully_shard on each block, then the root) shards the
@@ -190,12 +204,7 @@ def train(run: Run, base: nn.Module, args, device: torch.device, sharding: Shard
     for step in range(1, args.steps + 1):
         tokens = sums_stream(args.batch, args.length, generator).to(device)
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = train_step(model, optimizer, tokens)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

@@ -126,7 +126,7 @@ def test_linear_on_cuda_matches_the_oracle_reference(case, weights):
 
 
 def test_stock_transformer_trains_on_cuda_under_the_hybrid_recipe():
-    from qtensor.demo import VOCABULARY, TinyLM, sums_stream
+    from qtensor.demo import VOCABULARY, TinyLM, sums_stream, train_step
 
     torch.manual_seed(0)
     model = TinyLM(len(VOCABULARY), 64, 2, 4, 32).cuda()
@@ -136,13 +136,7 @@ def test_stock_transformer_trains_on_cuda_under_the_hybrid_recipe():
     generator = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(40):
-        tokens = sums_stream(8, 32, generator).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = train_step(model, optimizer, sums_stream(8, 32, generator).cuda())
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:3]) / 3
 
