@@ -37,6 +37,17 @@ class LinearQuantizers:
     grad_output: Quantizer | None
     backward_override: str | None = None
     name: str = ""
+    # The parameter's qualified name where it is not `<name>.weight` (nn.MultiheadAttention's
+    # `<name>.in_proj_weight`), for messages.
+    parameter: str = ""
+    # A Hugging Face Conv1D: its module computes `torch.addmm(bias, x, weight)` with the weight kept
+    # as [in_features, out_features]. A dynamic weight keeps that layout; a quantized one is held
+    # as [out_features, in_features], the layout every GEMM of the layer reads.
+    transposed: bool = False
+
+    @property
+    def parameter_name(self) -> str:
+        return self.parameter or (f"{self.name}.weight" if self.name else "weight")
 
     def describe(self) -> str:
         parts = [f"{role}={q.describe() if q is not None else 'high precision'}" for role, q in self.roles().items()]
@@ -81,7 +92,14 @@ def _weight_operand(weight, linear: LinearQuantizers, *, columnwise: bool) -> to
 
 
 def _plain(weight: torch.Tensor) -> torch.Tensor:
-    return weight.plain() if isinstance(weight, DynamicWeight) else weight
+    """A high-precision weight as the [out_features, in_features] matrix the GEMMs read."""
+    if not isinstance(weight, DynamicWeight):
+        return weight
+    return weight.plain().t() if weight.linear_quantizers.transposed else weight.plain()
+
+
+def _in_features(weight: torch.Tensor) -> int:
+    return weight.shape[0] if isinstance(weight, DynamicWeight) and weight.linear_quantizers.transposed else weight.shape[-1]
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -126,6 +144,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         ctx.needs_grad = (input_needs_grad, weight_needs_grad)
         ctx.x_meta = (x.shape, x.dtype)
         ctx.weight_dtype = weight.dtype
+        ctx.grad_weight_transposed = isinstance(weight, DynamicWeight) and linear.transposed
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
@@ -152,6 +171,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
             grad_x = gemm.dgrad(grad_q, saved_w).to(x_dtype).reshape(x_shape)
         if weight_needs_grad:
             grad_weight = gemm.wgrad(grad_q, saved_x).to(ctx.weight_dtype)
+            if ctx.grad_weight_transposed:  # the parameter keeps Conv1D's [in, out] layout
+                grad_weight = grad_weight.t()
         if ctx.needs_input_grad[2]:
             grad_bias = grad_2d.float().sum(0).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None
@@ -160,10 +181,11 @@ class QuantizedLinearFunction(torch.autograd.Function):
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with the quantizers `weight` carries."""
     name = weight.linear_quantizers.name or "a quantized linear layer"
-    if x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
+    in_features = _in_features(weight)
+    if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(
             f"{name}: input of shape {list(x.shape)} does not match weight {list(weight.shape)}; "
-            f"the input's last dimension must be {weight.shape[-1]}."
+            f"the input's last dimension must be {in_features}."
         )
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
@@ -201,6 +223,11 @@ def _linear_args(args, kwargs):
     return bound["input"], bound["weight"], bound.get("bias")
 
 
+def _multiplies_as_stored(weight) -> bool:
+    """A Conv1D's weight: its module computes `x @ weight`, meaning the layer's linear."""
+    return carries_quantizers(weight) and weight.linear_quantizers.transposed
+
+
 def intercept(func, args, kwargs):
     """Route the calls that mean "this layer's linear" to `quantized_linear`; NotImplemented otherwise."""
     if func is F.linear:
@@ -208,20 +235,27 @@ def intercept(func, args, kwargs):
         if carries_quantizers(weight):
             return quantized_linear(x, weight, bias)
     elif func in _TRANSPOSES:
-        if carries_quantizers(args[0]) and args[0].dim() == 2 and _swaps_the_two_dims(args):
+        weight = args[0]
+        if carries_quantizers(weight) and not _multiplies_as_stored(weight) and weight.dim() == 2 and _swaps_the_two_dims(args):
             with torch._C.DisableTorchFunctionSubclass():
                 values = func(*args, **kwargs)
-            return TransposedWeight.of(values, args[0])
+            return TransposedWeight.of(values, weight)
     elif func in _MATMULS:
-        if len(args) == 2 and not kwargs and isinstance(args[1], TransposedWeight):
-            return quantized_linear(args[0], args[1].weight)
+        if len(args) == 2 and not kwargs:
+            if isinstance(args[1], TransposedWeight):
+                return quantized_linear(args[0], args[1].weight)
+            if _multiplies_as_stored(args[1]):
+                return quantized_linear(args[0], args[1])
     elif func is F.multi_head_attention_forward:
-        return _attention_with_quantized_out_proj(args, kwargs)
+        return _attention(args, kwargs)
     elif func in _ADDMMS:
-        bias, x, transposed = args[:3]
+        bias, x, weight = args[:3]
         plain_scaling = len(args) == 3 and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
-        if isinstance(transposed, TransposedWeight) and plain_scaling and bias.dim() == 1:
-            return quantized_linear(x, transposed.weight, bias)
+        if plain_scaling and bias.dim() == 1:
+            if isinstance(weight, TransposedWeight):
+                return quantized_linear(x, weight.weight, bias)
+            if _multiplies_as_stored(weight):  # Conv1D.forward: torch.addmm(bias, x, weight)
+                return quantized_linear(x, weight, bias)
     return NotImplemented
 
 
@@ -265,22 +299,124 @@ def _grad_through_edges(args, kwargs):
 
 
 _ATTENTION_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_PROJECTION_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj_weight")
 
 
-def _attention_with_quantized_out_proj(args, kwargs):
-    """nn.MultiheadAttention passes its out_proj weight to F.multi_head_attention_forward, whose body
-    calls F.linear out of reach of this subclass. Run the body with an identity projection (exact:
-    one product by 1 per output) and apply the quantized out_proj to its result."""
+def _attention(args, kwargs):
+    """nn.MultiheadAttention hands its projection weights to F.multi_head_attention_forward, whose
+    body calls F.linear out of reach of this subclass. Here the in-projections run first (quantized
+    where their weights carry quantizers), the body runs on the projected q, k, v with identity
+    projections that cost nothing, and the out-projection runs on its result."""
     bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
-    weight, bias = bound.arguments["out_proj_weight"], bound.arguments.get("out_proj_bias")
-    if not carries_quantizers(weight):
+    arguments = bound.arguments
+    if not any(carries_quantizers(arguments.get(name)) for name in _PROJECTION_WEIGHTS):
         return NotImplemented
-    query = bound.arguments["query"]
-    bound.arguments["out_proj_weight"] = torch.eye(weight.shape[1], dtype=query.dtype, device=query.device)
-    bound.arguments["out_proj_bias"] = None
+    q, k, v = _in_projections(arguments)
+    identity = IdentityProjection(q.shape[-1], q.dtype, q.device)
+    out_weight, out_bias = arguments["out_proj_weight"], arguments.get("out_proj_bias")
+    quantized_out = carries_quantizers(out_weight)
+    arguments.update(
+        query=q,
+        key=k,
+        value=v,
+        in_proj_weight=None,
+        in_proj_bias=None,
+        use_separate_proj_weight=True,
+        q_proj_weight=identity,
+        k_proj_weight=identity,
+        v_proj_weight=identity,
+    )
+    if quantized_out:
+        arguments.update(out_proj_weight=identity, out_proj_bias=None)
     with torch._C.DisableTorchFunctionSubclass():
         attention, attention_weights = F.multi_head_attention_forward(*bound.args, **bound.kwargs)
-    return quantized_linear(attention, weight, bias), attention_weights
+    if quantized_out:
+        attention = quantized_linear(attention, out_weight, out_bias)
+    return attention, attention_weights
+
+
+def _in_projections(arguments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as F.multi_head_attention_forward's body would compute them, each projection
+    through `_project`. Self-attention projects once with the whole packed weight, as nn.Linear would."""
+    query, key, value = arguments["query"], arguments["key"], arguments["value"]
+    biases = arguments.get("in_proj_bias")
+    biases = (None, None, None) if biases is None else biases.chunk(3)
+    if arguments.get("use_separate_proj_weight", False):
+        weights = [arguments[f"{name}_proj_weight"] for name in "qkv"]
+        return tuple(_project(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+    weight, bias = arguments["in_proj_weight"], arguments.get("in_proj_bias")
+    if query is key and key is value:
+        return tuple(part.contiguous() for part in _project(query, weight, bias).chunk(3, dim=-1))
+    _check_pieces_allowed(weight)
+    embed = query.shape[-1]
+    if key is value:
+        w_q, w_kv = weight.split([embed, 2 * embed])
+        b_q, b_kv = (None, None) if bias is None else bias.split([embed, 2 * embed])
+        k, v = (part.contiguous() for part in _project(key, w_kv, b_kv).chunk(2, dim=-1))
+        return _project(query, w_q, b_q), k, v
+    return tuple(_project(x, w, b) for x, w, b in zip((query, key, value), weight.chunk(3), biases))
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if carries_quantizers(weight):
+        return quantized_linear(x, weight, bias)
+    with torch._C.DisableTorchFunctionSubclass():
+        return F.linear(x, weight, bias)
+
+
+def _check_pieces_allowed(weight) -> None:
+    """Cross-attention projects pieces of the packed weight, each quantized on its own; a delayed
+    scaling history would mix their amaxes."""
+    from .formats.float8 import Float8Quantizer
+    from .formats.hybrid import HybridQuantizer
+
+    quantizer = weight.linear_quantizers.weight if carries_quantizers(weight) else None
+    children = [quantizer.rowwise, quantizer.columnwise] if isinstance(quantizer, HybridQuantizer) else [quantizer]
+    if isinstance(weight, DynamicWeight) and any(isinstance(q, Float8Quantizer) and q.scaling == "delayed" for q in children):
+        raise ValueError(
+            f"{weight.linear_quantizers.parameter_name}: cross-attention (query is not key) projects the q, k "
+            "and v pieces of the packed in_proj_weight separately, and one delayed-scaling history would mix "
+            "their amaxes. Use current scaling (qtensor.recipes.float8_current()) for this layer, or keep it "
+            "out of quantize_ with filter_fn."
+        )
+
+
+class IdentityProjection(torch.Tensor):
+    """The [n, n] identity as a projection weight, never materialized: F.linear(x, I) is x.
+
+    F.linear decomposes into t, mm / addmm (and dtype casts under autocast); each returns at once
+    here. Any other op sees a real identity matrix."""
+
+    @staticmethod
+    def __new__(cls, n: int, dtype: torch.dtype, device: torch.device):
+        return torch.Tensor._make_wrapper_subclass(cls, (n, n), dtype=dtype, device=device)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"IdentityProjection({self.shape[0]}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if func in (aten.t.default, aten.detach.default, aten.alias.default, aten.conj.default) or (
+            func is aten.transpose.int and isinstance(first, IdentityProjection)
+        ):
+            return IdentityProjection(first.shape[0], first.dtype, first.device)
+        if func is aten._to_copy.default and set(kwargs) <= {"dtype", "device"}:
+            return IdentityProjection(first.shape[0], kwargs.get("dtype", first.dtype), kwargs.get("device", first.device))
+        if func is aten.mm.default and isinstance(args[1], IdentityProjection) and not isinstance(first, IdentityProjection):
+            return first.clone()
+        if func is aten.addmm.default and isinstance(args[2], IdentityProjection) and len(args) == 3 and not kwargs:
+            return args[1] + args[0]
+        real = tree_map_only(
+            IdentityProjection, lambda i: torch.eye(i.shape[0], dtype=i.dtype, device=i.device), (args, kwargs)
+        )
+        return func(*real[0], **real[1])
 
 
 class TransposedWeight(torch.Tensor):
@@ -370,7 +506,10 @@ class DynamicWeight(torch.Tensor):
 
         caller = fsdp.calling_fsdp_param()
         values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
-        if self.linear_quantizers.weight is None:  # the weight role stays in high precision
+        # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along
+        # in_features, across the rows of what the GEMM reads, so it gathers its high-precision
+        # values and is quantized at use, as on one process.
+        if self.linear_quantizers.weight is None or self.linear_quantizers.transposed:
             padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
             padded[: values.shape[0]].copy_(values)
             fsdp.count_gather((padded,), mesh, outer_size)

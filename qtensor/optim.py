@@ -146,7 +146,7 @@ def _check_optimizer_parameters(optimizer, args, kwargs) -> None:
                 )
             if is_quantized(param):
                 linear = getattr(param, "linear_quantizers", None) or getattr(getattr(param, "_local_tensor", None), "linear_quantizers", None)
-                name = f"{linear.name}.weight" if linear is not None and linear.name else f"a {type(param).__name__} parameter"
+                name = linear.parameter_name if linear is not None else f"a {type(param).__name__} parameter"
                 raise TypeError(
                     f"{type(optimizer).__name__} is stepping {name}, a quantized parameter (weights='quantized'), "
                     "directly: its state and updates would be quantized. Wrap the optimizer: "

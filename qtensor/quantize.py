@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,7 +20,8 @@ WEIGHT_MODES = ("dynamic", "quantized")
 
 @dataclass
 class QuantizeReport:
-    """What quantize_ did: `quantized` (fqn → description) and `skipped` (fqn → reason)."""
+    """What quantize_ did: `quantized` (layer → description) and `skipped` (layer → why it stays in
+    high precision). Every module holding a weight matrix appears in one of the two."""
 
     quantized: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -34,6 +36,61 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class LinearSite:
+    """A weight matrix that a module multiplies its input by: one linear layer of the model."""
+
+    module: nn.Module
+    module_name: str
+    attribute: str  # "weight"; nn.MultiheadAttention: "in_proj_weight" or "q_proj_weight", ...
+    in_features: int
+    out_features: int
+    transposed: bool = False  # Hugging Face Conv1D keeps its weight as [in_features, out_features]
+
+    @property
+    def layer(self) -> str:
+        """The name the factory, filter report and messages use: the module's, or for an attention
+        projection `<module>.in_proj` (`.q_proj`, ...)."""
+        if self.attribute == "weight":
+            return self.module_name
+        return _join(self.module_name, self.attribute.removesuffix("_weight"))
+
+    @property
+    def parameter(self) -> str:
+        return _join(self.module_name, self.attribute)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _hf_conv1d() -> type | None:
+    """transformers' Conv1D class when transformers is loaded (a model using it has loaded it)."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def linear_sites(module: nn.Module, name: str) -> list[LinearSite]:
+    """The linear layers `module` itself holds: nn.Linear, Hugging Face Conv1D, and the input
+    projections of nn.MultiheadAttention (its out_proj is an nn.Linear of its own)."""
+    if isinstance(module, nn.Linear):
+        return [LinearSite(module, name, "weight", module.in_features, module.out_features)]
+    conv1d = _hf_conv1d()
+    if conv1d is not None and isinstance(module, conv1d) and module.weight.dim() == 2:
+        return [LinearSite(module, name, "weight", module.weight.shape[0], module.weight.shape[1], transposed=True)]
+    if isinstance(module, nn.MultiheadAttention):
+        attributes = ["in_proj_weight"] if module.in_proj_weight is not None else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+        return [
+            LinearSite(module, name, attribute, getattr(module, attribute).shape[1], getattr(module, attribute).shape[0])
+            for attribute in attributes
+        ]
+    return []
+
+
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+_SUPPORTED = "qtensor quantizes nn.Linear, Hugging Face Conv1D and nn.MultiheadAttention projections"
+
+
 def quantize_(
     model: nn.Module,
     recipe_or_factory: Recipe | Callable,
@@ -42,12 +99,18 @@ def quantize_(
     weights: str = "dynamic",
     strict: bool = False,
 ) -> QuantizeReport:
-    """Give every selected nn.Linear of `model` its quantizers, in place; the modules stay the same objects.
+    """Give every selected linear layer of `model` its quantizers, in place; the modules stay the same objects.
 
-    `weights="dynamic"` keeps high-precision parameters, quantized at use; `weights="quantized"` makes
-    each parameter the quantized tensor (train it through `qtensor.optim.MasterWeights`). A layer whose
-    shapes a chosen quantizer cannot take is skipped and reported, or with `strict=True` nothing is
-    changed and a ValueError names every such layer.
+    Linear layers are nn.Linear (subclasses included), Hugging Face Conv1D (GPT-2 and its family)
+    and the input projections of nn.MultiheadAttention. `weights="dynamic"` keeps high-precision
+    parameters, quantized at use; `weights="quantized"` makes each parameter the quantized tensor
+    (train it through `qtensor.optim.MasterWeights`).
+
+    The report names every 2-D parameter: quantized, or skipped with the reason (filtered out, the
+    factory chose high precision, shapes a format cannot take, tied weights, an embedding table, a
+    layer type qtensor does not quantize, a parameter that is not a layer's weight). With
+    `strict=True` nothing is changed and a ValueError names every linear layer that cannot be
+    quantized (shapes, tied weights) and every `weight` matrix of a layer type qtensor does not know.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -63,33 +126,79 @@ def quantize_(
     if weights not in WEIGHT_MODES:
         raise ValueError(f"quantize_: weights must be 'dynamic' or 'quantized', got {weights!r}.")
     report = QuantizeReport()
-    plan: list[tuple[nn.Linear, LinearQuantizers]] = []
-    unsupported: dict[str, str] = {}
+    plan: list[tuple[LinearSite, LinearQuantizers]] = []
+    cannot: dict[str, str] = {}  # layers that stay in high precision other than by the user's choice
+    seen: set[tuple[int, str]] = set()  # (id(module), attribute) of every weight a site accounts for
     owners = _parameter_owners(model)
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or (filter_fn is not None and not filter_fn(module, name)):
-            continue
-        if carries_quantizers(module.weight):
-            raise ValueError(f"quantize_: layer {name!r} is already quantized. Call qtensor.dequantize_(model) first.")
-        quantizers = recipe.quantizers_for("linear", name)
-        if all(q is None for q in quantizers.values()):
-            report.skipped[name] = "the factory keeps every tensor in high precision"
-            continue
-        reason = _unsupported_reason(module, quantizers) or _tied_reason(name, module, owners)
-        if reason is not None:
-            unsupported[name] = reason
-            continue
-        plan.append((module, LinearQuantizers(**quantizers, backward_override=recipe.backward_override, name=name)))
+        for site in linear_sites(module, name):
+            seen.add((id(module), site.attribute))
+            if carries_quantizers(getattr(module, site.attribute)):
+                raise ValueError(f"quantize_: layer {site.layer!r} is already quantized. Call qtensor.dequantize_(model) first.")
+            if filter_fn is not None and not filter_fn(module, name):
+                report.skipped[site.layer] = "filtered out by filter_fn"
+                continue
+            quantizers = recipe.quantizers_for("linear", site.layer)
+            if all(q is None for q in quantizers.values()):
+                report.skipped[site.layer] = "the factory keeps every tensor in high precision"
+                continue
+            reason = _unsupported_reason(site, quantizers) or _tied_reason(site, owners)
+            if reason is not None:
+                cannot[site.layer] = reason
+                continue
+            linear = LinearQuantizers(
+                **quantizers,
+                backward_override=recipe.backward_override,
+                name=site.layer,
+                parameter="" if site.attribute == "weight" else site.parameter,
+                transposed=site.transposed,
+            )
+            plan.append((site, linear))
     _check_no_shared_running_state(plan)
-    if strict and unsupported:
-        details = "; ".join(f"{name}: {reason}" for name, reason in unsupported.items())
-        raise ValueError(f"quantize_(strict=True): {len(unsupported)} layer(s) cannot take the chosen formats: {details}")
-    report.skipped.update(unsupported)
-    for module, linear in plan:
-        _install(module, linear, weights)
-        mode = "quantized" if isinstance(module.weight, QuantizedTensor) else "dynamic"
-        report.quantized[linear.name] = f"{linear.describe()}; weights={mode}"
+    others = _other_weight_matrices(model, seen)
+    harmless = {layer: reason for layer, (reason, ok) in others.items() if ok}
+    cannot.update({layer: reason for layer, (reason, ok) in others.items() if not ok})
+    if strict and cannot:
+        details = "; ".join(f"{name}: {reason}" for name, reason in cannot.items())
+        raise ValueError(
+            f"quantize_(strict=True): {len(cannot)} weight matri{'x' if len(cannot) == 1 else 'ces'} would stay in "
+            f"high precision: {details}. Fix them, or keep them out with filter_fn to accept that."
+        )
+    report.skipped.update(cannot)
+    report.skipped.update(harmless)
+    for site, linear in plan:
+        _install(site, linear, weights)
+        mode = "quantized" if isinstance(getattr(site.module, site.attribute), QuantizedTensor) else "dynamic"
+        report.quantized[site.layer] = f"{linear.describe()}; weights={mode}"
     return report
+
+
+def _other_weight_matrices(model: nn.Module, seen: set) -> dict[str, tuple[str, bool]]:
+    """Every 2-D parameter that no linear site accounts for: layer → (why it stays in high
+    precision, whether that is certain to be harmless). A `weight` matrix of a module type qtensor
+    does not know is most likely multiplied (a linear layer under another name) and is not harmless;
+    an embedding table is looked up, and another parameter (a learned position table) cannot be
+    told apart from data that is added rather than multiplied."""
+    found = {}
+    for module_name, module in model.named_modules():
+        for attribute, param in module.named_parameters(recurse=False):
+            if param.dim() != 2 or (id(module), attribute) in seen:
+                continue
+            if isinstance(module, _EMBEDDINGS):
+                found[module_name] = ("an embedding table: a lookup, not a matrix multiplication", True)
+            elif attribute == "weight":
+                found[module_name] = (
+                    f"unsupported layer type {type(module).__name__}: its weight matrix {list(param.shape)} stays in "
+                    f"high precision ({_SUPPORTED})",
+                    False,
+                )
+            else:
+                found[_join(module_name, attribute)] = (
+                    f"a {list(param.shape)} parameter of {type(module).__name__}, not a layer's weight: "
+                    "qtensor leaves it in high precision",
+                    True,
+                )
+    return found
 
 
 def _takes_module_and_name(function) -> bool:
@@ -121,11 +230,11 @@ def _check_no_shared_running_state(plan) -> None:
                     seen[id(child)] = where
 
 
-def _unsupported_reason(module: nn.Linear, quantizers: dict) -> str | None:
+def _unsupported_reason(site: LinearSite, quantizers: dict) -> str | None:
     shapes = {
-        "input": torch.Size([1, module.in_features]),
-        "weight": module.weight.shape,
-        "grad_output": torch.Size([1, module.out_features]),
+        "input": torch.Size([1, site.in_features]),
+        "weight": torch.Size([site.out_features, site.in_features]),
+        "grad_output": torch.Size([1, site.out_features]),
     }
     for role, quantizer in quantizers.items():
         if quantizer is not None:
@@ -143,8 +252,8 @@ def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
-def _tied_reason(name: str, module: nn.Linear, owners: dict) -> str | None:
-    others = [owner for owner in owners.get(id(module.weight), []) if owner != (f"{name}.weight" if name else "weight")]
+def _tied_reason(site: LinearSite, owners: dict) -> str | None:
+    others = [owner for owner in owners.get(id(getattr(site.module, site.attribute)), []) if owner != site.parameter]
     if others:
         return (
             f"its weight is tied to {', '.join(others)}; quantizing it would untie them. "
@@ -153,30 +262,41 @@ def _tied_reason(name: str, module: nn.Linear, owners: dict) -> str | None:
     return None
 
 
-def _install(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
-    _install_weight(module, linear, weights)
-    module._qtensor_layer = (linear, weights)
-    module._qtensor_hooks = [
-        # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
-        module.register_load_state_dict_post_hook(_reinstall_after_load),
-        # A dynamic weight's entry is its plain values; running state (amax histories) is added.
-        module.register_state_dict_post_hook(_save_layer_state),
-        module.register_load_state_dict_pre_hook(_load_running_state),
-    ]
+def _install(site: LinearSite, linear: LinearQuantizers, weights: str) -> None:
+    module = site.module
+    _install_weight(module, site.attribute, linear, weights)
+    layers = module.__dict__.setdefault("_qtensor_layers", {})
+    layers[site.attribute] = (linear, weights)
+    if "_qtensor_hooks" not in module.__dict__:
+        module._qtensor_hooks = [
+            # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
+            module.register_load_state_dict_post_hook(_reinstall_after_load),
+            # A dynamic weight's entry is its plain values; running state (amax histories) is added.
+            module.register_state_dict_post_hook(_save_layer_state),
+            module.register_load_state_dict_pre_hook(_load_running_state),
+        ]
 
 
-def running_state(module: nn.Linear) -> dict[str, torch.Tensor]:
-    """The live running-state tensors of a quantized layer's quantizers, by state_dict key suffix
+def _state_prefix(attribute: str) -> str:
+    """Running-state keys of a layer: `input_quantizer.amax_history` for a module's `weight`,
+    `in_proj_input_quantizer.amax_history` for nn.MultiheadAttention's `in_proj_weight`."""
+    return attribute.removesuffix("weight")
+
+
+def running_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The live running-state tensors of a quantized module's quantizers, by state_dict key suffix
     (`input_quantizer.amax_history`), on the weight's device as a module's buffers would be. A
     quantized weight's entry carries its own quantizer's state, so that role is left out when the
     weight is a QuantizedTensor."""
-    linear, _ = module._qtensor_layer
     state = {}
-    for role, quantizer in linear.roles().items():
-        if quantizer is None or (role == "weight" and isinstance(module.weight, QuantizedTensor)):
-            continue
-        quantizer.move_state(module.weight.device)
-        state.update({f"{role}_quantizer.{name}": buffer for name, buffer in quantizer.state_buffers().items()})
+    for attribute, (linear, _) in module._qtensor_layers.items():
+        weight = getattr(module, attribute)
+        for role, quantizer in linear.roles().items():
+            if quantizer is None or (role == "weight" and isinstance(weight, QuantizedTensor)):
+                continue
+            quantizer.move_state(weight.device)
+            prefix = f"{_state_prefix(attribute)}{role}_quantizer."
+            state.update({prefix + name: buffer for name, buffer in quantizer.state_buffers().items()})
     return state
 
 
@@ -194,8 +314,9 @@ def plain_weight(value: torch.Tensor) -> torch.Tensor:
 
 
 def _save_layer_state(module, state_dict, prefix, local_metadata) -> None:
-    if prefix + "weight" in state_dict:
-        state_dict[prefix + "weight"] = plain_weight(state_dict[prefix + "weight"])
+    for attribute in module._qtensor_layers:
+        if prefix + attribute in state_dict:
+            state_dict[prefix + attribute] = plain_weight(state_dict[prefix + attribute])
     for suffix, buffer in running_state(module).items():
         state_dict[prefix + suffix] = buffer.detach()
 
@@ -212,46 +333,61 @@ def _load_running_state(module, state_dict, prefix, local_metadata, strict, miss
             continue
         with torch.no_grad():
             target.copy_(source)
-    # A quantized weight's saved quantizer state travels inside its entry.
-    weight, entry = module.weight, state_dict.get(prefix + "weight")
-    if isinstance(weight, QuantizedTensor) and isinstance(entry, QuantizedTensor) and entry.quantizer == weight.quantizer:
-        weight.quantizer.load_state_buffers(entry.quantizer.state_buffers(), f"{prefix}weight.quantizer.")
+    for attribute, (linear, _) in module._qtensor_layers.items():
+        weight, key = getattr(module, attribute), prefix + attribute
+        entry = state_dict.get(key)
+        if not isinstance(weight, QuantizedTensor):
+            continue
+        if isinstance(entry, QuantizedTensor) and entry.quantizer == weight.quantizer:
+            # A quantized weight's saved quantizer state travels inside its entry.
+            weight.quantizer.load_state_buffers(entry.quantizer.state_buffers(), f"{key}.quantizer.")
+        elif linear.transposed and isinstance(entry, torch.Tensor) and not isinstance(entry, QuantizedTensor) and entry.dim() == 2:
+            # A plain Conv1D entry (a Hugging Face checkpoint, a dynamic or dequantized model) is
+            # [in, out]; the quantized weight is held as [out, in].
+            state_dict[key] = weight.quantizer.quantize(entry.detach().t().contiguous().to(weight.device), rowwise=True, columnwise=True)
 
 
-def _reinstall_after_load(module: nn.Linear, incompatible_keys) -> None:
-    linear, weights = module._qtensor_layer
-    weight = module.weight
-    if isinstance(weight, QuantizedTensor) and not carries_quantizers(weight):
-        weight.linear_quantizers = linear
-    elif not carries_quantizers(weight):
-        _install_weight(module, linear, weights)
+def _reinstall_after_load(module: nn.Module, incompatible_keys) -> None:
+    for attribute, (linear, weights) in module._qtensor_layers.items():
+        weight = getattr(module, attribute)
+        if isinstance(weight, QuantizedTensor) and not carries_quantizers(weight):
+            weight.linear_quantizers = linear
+        elif not carries_quantizers(weight):
+            _install_weight(module, attribute, linear, weights)
 
 
-def _install_weight(module: nn.Linear, linear: LinearQuantizers, weights: str) -> None:
-    weight = module.weight
+def _install_weight(module: nn.Module, attribute: str, linear: LinearQuantizers, weights: str) -> None:
+    weight = getattr(module, attribute)
     requires_grad = weight.requires_grad
     # An optimizer built before this call would hold this object, which no longer trains anything.
-    weight._qtensor_replaced = f"{linear.name}.weight" if linear.name else "weight"
+    weight._qtensor_replaced = linear.parameter_name
     if weights == "quantized" and linear.weight is not None:
-        # Both directions: fprop reads the rowwise copy, dgrad the columnwise one.
-        quantized = linear.weight.quantize(weight.detach(), rowwise=True, columnwise=True)
+        # Both directions: fprop reads the rowwise copy, dgrad the columnwise one; a Conv1D's
+        # [in, out] weight is quantized as the [out, in] matrix the GEMMs read.
+        matrix = weight.detach().t().contiguous() if linear.transposed else weight.detach()
+        quantized = linear.weight.quantize(matrix, rowwise=True, columnwise=True)
         quantized.linear_quantizers = linear
-        module.weight = nn.Parameter(quantized, requires_grad=requires_grad)
+        setattr(module, attribute, nn.Parameter(quantized, requires_grad=requires_grad))
     else:
-        module.weight = nn.Parameter(DynamicWeight(weight.detach(), linear), requires_grad=requires_grad)
+        setattr(module, attribute, nn.Parameter(DynamicWeight(weight.detach(), linear), requires_grad=requires_grad))
 
 
 def dequantize_(model: nn.Module) -> None:
-    """Turn every quantized nn.Linear of `model` back into plain high-precision parameters."""
+    """Turn every quantized layer of `model` back into plain high-precision parameters, in the
+    layout each module keeps (a Conv1D's [in, out])."""
     for module in model.modules():
-        if isinstance(module, nn.Linear) and carries_quantizers(module.weight):
-            weight = module.weight
+        layers = module.__dict__.get("_qtensor_layers")
+        if not layers:
+            continue
+        for attribute, (linear, _) in layers.items():
+            weight = getattr(module, attribute)
             if isinstance(weight, QuantizedTensor):
                 plain = weight.dequantize()
+                plain = plain.t().contiguous() if linear.transposed else plain
             else:
                 plain = weight.plain().detach().clone()
-            weight._qtensor_replaced = f"{weight.linear_quantizers.name or 'a layer'}.weight (by dequantize_)"
-            module.weight = nn.Parameter(plain, requires_grad=weight.requires_grad)
-            for hook in module._qtensor_hooks:
-                hook.remove()
-            del module._qtensor_hooks, module._qtensor_layer
+            weight._qtensor_replaced = f"{linear.parameter_name} (by dequantize_)"
+            setattr(module, attribute, nn.Parameter(plain, requires_grad=weight.requires_grad))
+        for hook in module._qtensor_hooks:
+            hook.remove()
+        del module._qtensor_hooks, module._qtensor_layers

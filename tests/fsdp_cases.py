@@ -55,6 +55,47 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class AttentionAndConv1D(nn.Module):
+    """nn.MultiheadAttention (packed in_proj_weight) and a Hugging Face Conv1D ([in, out] weight)."""
+
+    def __init__(self):
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.attention = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
+        self.conv = Conv1D(HIDDEN, WIDTH)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        tokens = x.reshape(-1, 8, WIDTH)
+        tokens = tokens + self.attention(tokens, tokens, tokens, need_weights=False)[0]
+        return self.head(F.gelu(self.conv(tokens))).reshape(x.shape[0], OUT)
+
+
+def train_layer_types(weights: str, mesh=None) -> list[float]:
+    """A few steps of AttentionAndConv1D (sharded per layer when a mesh is given): the losses."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = AttentionAndConv1D().to(device())
+    qtensor.quantize_(model, RECIPES["mxfp8"](), weights=weights)
+    if mesh is not None:
+        for layer in (model.attention, model.conv):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if weights == "quantized":
+        optimizer = qtensor.optim.MasterWeights(optimizer)
+    losses = []
+    for x, target in batches():
+        loss = F.mse_loss(model(x).float(), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 DCP_CASES = [("float8_current", "quantized"), ("hybrid", "quantized"), ("nvfp4", "dynamic")]
 
 
@@ -277,6 +318,9 @@ def run_distributed(out_path: str) -> None:
             losses.append(F.mse_loss(m(x).float(), target).item())
         results["dcp_masters"] = losses
     # Fewer rows than ranks: a 1-row layer leaves rank 1 an empty shard.
+    if not only or only == "layer_types":
+        for weights in ("dynamic", "quantized"):
+            results[("layer_types", weights)] = train_layer_types(weights, mesh)
     if not only or only == "tiny":
         for weights in ("dynamic", "quantized"):
             torch.manual_seed(0)

@@ -212,3 +212,10 @@ def test_a_layer_with_fewer_rows_than_ranks_trains_like_one_process(distributed,
         optimizer.zero_grad()
         losses.append(loss.item())
     torch.testing.assert_close(torch.tensor(distributed[("tiny", weights)]), torch.tensor(losses), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_attention_in_proj_and_conv1d_layers_train_sharded_like_one_process(distributed, weights):
+    pytest.importorskip("transformers")
+    single = fsdp_cases.train_layer_types(weights)
+    torch.testing.assert_close(torch.tensor(distributed[("layer_types", weights)]), torch.tensor(single), rtol=1e-6, atol=0)

@@ -34,9 +34,9 @@ def train(model, recipe=None, weights="dynamic", steps=STEPS, lr=3e-3):
     return sum(losses[:3]) / 3, sum(losses[-5:]) / 5, report, model
 
 
-def assert_trains_like_baseline(model, recipe, weights="dynamic"):
-    start, baseline_end, _, _ = train(model)
-    q_start, q_end, report, trained = train(model, recipe, weights)
+def assert_trains_like_baseline(model, recipe, weights="dynamic", steps=STEPS):
+    start, baseline_end, _, _ = train(model, steps=steps)
+    q_start, q_end, report, trained = train(model, recipe, weights, steps=steps)
     assert abs(q_start - start) < 0.05
     assert baseline_end < 0.85 * start, "the baseline itself did not learn; the comparison means nothing"
     assert q_end < 0.85 * q_start
@@ -46,12 +46,16 @@ def assert_trains_like_baseline(model, recipe, weights="dynamic"):
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8_fwd_nvfp4_bwd", "float8_current", "nvfp4"])
-def test_transformer_encoder_layers_train_with_attention_out_proj_quantized(recipe):
+def test_transformer_encoder_layers_train_with_every_projection_quantized(recipe):
     torch.manual_seed(0)
     model = TinyLM(len(VOCABULARY), 64, 2, 4, 32)
-    report, _ = assert_trains_like_baseline(model, getattr(qtensor.recipes, recipe)())
-    expected = {f"blocks.layers.{i}.{name}" for i in range(2) for name in ("self_attn.out_proj", "linear1", "linear2")}
+    with qtensor.fallbacks("raise"):
+        report, _ = assert_trains_like_baseline(model, getattr(qtensor.recipes, recipe)())
+    projections = ("self_attn.in_proj", "self_attn.out_proj", "linear1", "linear2")
+    expected = {f"blocks.layers.{i}.{name}" for i in range(2) for name in projections}
     assert set(report.quantized) == expected | {"head"}
+    assert set(report.skipped) == {"embed", "position"}
+    assert "embedding table" in report.skipped["embed"] and "not a layer's weight" in report.skipped["position"]
 
 
 def test_transformer_trains_with_quantized_weights_and_master_weights():
@@ -84,5 +88,29 @@ def test_hugging_face_llama_trains_with_every_projection_quantized():
     report, trained = assert_trains_like_baseline(model, qtensor.recipes.mxfp8_fwd_nvfp4_bwd())
     projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     expected = {f"model.layers.{i}.{p}" for i in range(2) for p in projections} | {"lm_head"}
-    assert set(report.quantized) == expected and not report.skipped
+    assert set(report.quantized) == expected
+    assert set(report.skipped) == {"model.embed_tokens"}
     assert isinstance(trained.model.layers[1].mlp.down_proj.weight, qtensor.DynamicWeight)
+
+
+def tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=len(VOCABULARY), n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "float8_current", "mxfp8_fwd_nvfp4_bwd"])
+def test_hugging_face_gpt2_conv1d_layers_train_quantized(recipe):
+    model = tiny_gpt2()
+    with qtensor.fallbacks("raise"):
+        report, trained = assert_trains_like_baseline(model, getattr(qtensor.recipes, recipe)(), steps=80)
+    projections = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert set(report.quantized) == {f"transformer.h.{i}.{p}" for i in range(2) for p in projections}
+    # The head shares the token embedding's matrix: it stays in high precision, and says why.
+    assert set(report.skipped) == {"lm_head", "transformer.wte", "transformer.wpe"}
+    assert "tied to transformer.wte.weight" in report.skipped["lm_head"]
+    assert isinstance(trained.transformer.h[0].attn.c_attn.weight, qtensor.DynamicWeight)
