@@ -6,7 +6,8 @@
 The model is built in code (nn.TransformerEncoder layers with a causal mask, an embedding and an
 output head) and learns to write sums ("37+45=82;") from a synthetic stream, so nothing is
 downloaded. Every run starts from the same weights and sees the same batches; the only difference
-is what qtensor.quantize_ does to the model's nn.Linear layers (the head stays in bf16). All runs,
+is what qtensor.quantize_ does to the model's linear layers (nn.Linear and the attention
+in-projections; the head stays in bf16). All runs,
 the baseline too, use bf16 autocast for the rest of the model.
 """
 
@@ -31,7 +32,7 @@ from .formats_table import print_formats_table
 from .fsdp import gather_stats
 from .linear import DynamicWeight
 from .optim import MasterWeights
-from .quantize import quantize_
+from .quantize import linear_sites, quantize_
 from .recipe import Recipe
 from .tensor import QuantizedTensor
 
@@ -100,24 +101,27 @@ def demo_runs() -> list[Run]:
 
 
 def linear_weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """Bytes of the nn.Linear weights as the GEMMs read them: (forward copy, forward + backward copies).
+    """Bytes of the linear layers' weights (nn.Linear and the attention in-projections) as the GEMMs
+    read them: (forward copy, forward + backward copies).
 
     A bf16 weight serves both directions (2 bytes per element); a quantized one keeps a rowwise
     copy for fprop and a columnwise copy for dgrad, each with its scales.
     """
     forward = total = 0
-    for module in model.modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        weight = getattr(module.weight, "_local_tensor", module.weight)  # a sharded model: this rank's shard
-        if isinstance(weight, DynamicWeight) and weight.linear_quantizers.weight is not None:
-            weight = weight.linear_quantizers.weight.quantize(weight.plain().detach())
-        if isinstance(weight, QuantizedTensor):
-            total += weight.storage_nbytes()
-            forward += _rowwise_nbytes(weight)
-        else:
-            forward += weight.numel() * 2  # bf16 under autocast
-            total += weight.numel() * 2
+    for name, module in model.named_modules():
+        for site in linear_sites(module, name):
+            weight = getattr(module, site.attribute)
+            weight = getattr(weight, "_local_tensor", weight)  # a sharded model: this rank's shard
+            if isinstance(weight, DynamicWeight) and weight.linear_quantizers.weight is not None:
+                plain = weight.plain().detach()
+                plain = plain.t() if weight.linear_quantizers.transposed else plain
+                weight = weight.linear_quantizers.weight.quantize(plain)
+            if isinstance(weight, QuantizedTensor):
+                total += weight.storage_nbytes()
+                forward += _rowwise_nbytes(weight)
+            else:
+                forward += weight.numel() * 2  # bf16 under autocast
+                total += weight.numel() * 2
     return forward, total
 
 

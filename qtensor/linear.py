@@ -150,6 +150,9 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        from .optim import hand_over_at_end_of_backward
+
+        hand_over_at_end_of_backward()
         saved_x, saved_w = ctx.saved_tensors
         input_needs_grad, weight_needs_grad = ctx.needs_grad
         linear = ctx.linear

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -28,39 +30,100 @@ def _master_of(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ).detach()
 
 
-class MasterWeights:
-    """Wraps a torch optimizer built over a model's parameters.
+_LIVE: "weakref.WeakSet[MasterWeights]" = weakref.WeakSet()
+_QUEUED_FOR_TASK = [None]
+
+
+def hand_over_at_end_of_backward() -> None:
+    """Called by the quantized linear's backward: once per backward pass, queue the hand-over of
+    the quantized parameters' gradients to their masters for when the pass ends."""
+    task = torch._C._current_graph_task_id()
+    if not _LIVE or _QUEUED_FOR_TASK[0] == task:
+        return
+    _QUEUED_FOR_TASK[0] = task
+    torch.autograd.Variable._execution_engine.queue_callback(_hand_over_all)
+
+
+def _hand_over_all() -> None:
+    for master_weights in list(_LIVE):
+        master_weights.hand_over_gradients()
+
+
+class MasterWeights(torch.optim.Optimizer):
+    """A torch optimizer over a model's parameters, with high-precision masters for the quantized ones.
 
     For each parameter that is a QuantizedTensor, a master copy in `master_dtype` takes its place in
-    the wrapped optimizer. `step()` hands the parameters' gradients to the masters, steps, and writes
-    the masters back into the quantized parameters with `copy_` (a requantization). Plain parameters
-    pass through untouched. Learning-rate schedulers take the wrapped optimizer
-    (`StepLR(master_weights.optimizer, ...)`): the parameter groups are the same.
+    the wrapped optimizer. `step()` steps the wrapped optimizer and writes the masters back into the
+    quantized parameters with `copy_` (a requantization). Plain parameters pass through untouched.
+
+    It is a `torch.optim.Optimizer`: `param_groups`, `state` and `defaults` are the wrapped
+    optimizer's own objects, so LR schedulers, `torch.amp.GradScaler` and `zero_grad` take it
+    directly. Each quantized parameter's gradient reaches its master when backward ends (the same
+    tensor where the dtypes agree), so what a GradScaler unscales and what gradient clipping scales
+    is what the step uses.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, master_dtype: torch.dtype = torch.float32):
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, MasterWeights):
+            raise TypeError(
+                f"MasterWeights wraps a torch optimizer built over the model's parameters, got {type(optimizer).__name__}: "
+                "qtensor.optim.MasterWeights(torch.optim.AdamW(model.parameters(), lr=...))."
+            )
         if any(optimizer.state.values()):
             raise ValueError(
                 "MasterWeights must wrap an optimizer that has not stepped yet (its state belongs to "
                 "the quantized parameters, not to the masters). Wrap it right after building it."
             )
+        # Not torch.optim.Optimizer.__init__: groups, state and defaults stay the wrapped optimizer's.
         self.optimizer = optimizer
         self.master_dtype = master_dtype
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copies: dict[int, tuple] = {}  # id(master) → what _hand_over copied (dtypes differ)
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
         for group in optimizer.param_groups:
-            for index, param in enumerate(group["params"]):
-                if is_quantized(param):
-                    master = _master_of(param, master_dtype).requires_grad_(param.requires_grad)
-                    group["params"][index] = master
-                    self.pairs.append((param, master))
+            self._take_masters(group)
+
+    def _take_masters(self, group: dict) -> None:
+        for index, param in enumerate(group["params"]):
+            if is_quantized(param):
+                master = _master_of(param, self.master_dtype).requires_grad_(param.requires_grad)
+                group["params"][index] = master
+                self.pairs.append((param, master))
+        if self.pairs:
+            _LIVE.add(self)
+
+    @torch.no_grad()
+    def hand_over_gradients(self) -> None:
+        """Give each master its parameter's gradient: the same tensor where the dtypes agree (so
+        unscaling or clipping either is seen by both), else a copy in master_dtype. Runs at the end
+        of every backward pass that reached a quantized layer (after FSDP2 has reduced the
+        gradients), so a GradScaler's unscale_ before step() sees the masters' gradients."""
+        for param, master in self.pairs:
+            grad = param.grad
+            if grad is None or master.grad is grad:
+                continue
+            if grad.dtype == master.dtype:
+                master.grad = grad
+            else:
+                master.grad = grad.detach().to(self.master_dtype)
+                self._copies[id(master)] = (grad, grad._version, master.grad, master.grad._version)
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
     @property
     def state(self):
         return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.optimizer.add_param_group(param_group)
+        self._take_masters(self.optimizer.param_groups[-1])
 
     def masters(self) -> list[torch.Tensor]:
         return [master for _, master in self.pairs]
@@ -71,6 +134,8 @@ class MasterWeights:
         A `closure` (LBFGS and friends) is evaluated at the masters: each call first writes them
         into the quantized parameters, and its gradients reach the masters after it.
         """
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
         if closure is None:
             self._gradients_to_masters()
             loss = self.optimizer.step()
@@ -86,12 +151,34 @@ class MasterWeights:
 
             loss = self.optimizer.step(closure_for_masters)
         self.write_back()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
         return loss
 
     @torch.no_grad()
     def _gradients_to_masters(self) -> None:
+        """Gradients set without a backward (or changed after it) reach the masters here."""
         for param, master in self.pairs:
-            master.grad = None if param.grad is None else param.grad.to(self.master_dtype)
+            grad = param.grad
+            if grad is None or master.grad is grad:
+                master.grad = grad
+                continue
+            copied = self._copies.get(id(master))
+            if copied is not None and copied[2] is master.grad:
+                param_changed = copied[0] is not grad or grad._version != copied[1]
+                master_changed = master.grad._version != copied[3]
+                if not param_changed:
+                    continue  # the master holds this gradient, unscaled by a GradScaler or not
+                if master_changed:
+                    raise ValueError(
+                        "MasterWeights: after backward both a quantized parameter's gradient and its master's "
+                        "changed (a GradScaler unscaled the masters and clip_grad_norm_ scaled model.parameters()?). "
+                        f"With master_dtype={self.master_dtype} and {grad.dtype} parameters they are separate tensors: "
+                        "clip the optimizer's parameters instead, "
+                        "clip_grad_norm_([p for group in optimizer.param_groups for p in group['params']], ...)."
+                    )
+            master.grad = grad.to(self.master_dtype)
+        self._copies.clear()
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -109,6 +196,7 @@ class MasterWeights:
                 param.grad = None
             elif param.grad is not None:
                 param.grad.zero_()
+        self._copies.clear()
 
     def state_dict(self) -> dict:
         return {
@@ -125,6 +213,9 @@ class MasterWeights:
             for (_, master), saved in zip(self.pairs, masters):
                 master.copy_(saved)
         self.write_back()
+
+    def __getstate__(self) -> dict:
+        raise TypeError("MasterWeights cannot be pickled; save master_weights.state_dict() instead.")
 
     def __repr__(self) -> str:
         return f"MasterWeights({self.optimizer!r}, master_dtype={self.master_dtype}, masters={len(self.pairs)})"

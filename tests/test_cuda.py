@@ -131,7 +131,7 @@ def test_stock_transformer_trains_on_cuda_under_the_hybrid_recipe():
     torch.manual_seed(0)
     model = TinyLM(len(VOCABULARY), 64, 2, 4, 32).cuda()
     report = qtensor.quantize_(model, qtensor.recipes.mxfp8_fwd_nvfp4_bwd())
-    assert len(report.quantized) == 7
+    assert len(report.quantized) == 9  # per layer: in_proj, out_proj, linear1, linear2; and the head
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     losses = []
@@ -241,3 +241,47 @@ def test_dequantize_compiles_with_inductor_on_the_gpu_without_recompiling(name):
         q = quantizer.quantize(hard_input(128, 96, torch.bfloat16, seed=seed).cuda())
         assert torch.equal(compiled(q).nan_to_num(), (q.dequantize(torch.float32) * 2).nan_to_num())
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_attention_and_conv1d_under_bf16_autocast_equal_their_nn_linear_twins(weights):
+    """The identity projections inside nn.MultiheadAttention meet autocast's casts on the GPU."""
+    import copy
+
+    from test_layer_types import E, AttentionFromLinears, linear_twin, varied
+
+    Conv1D = pytest.importorskip("transformers").pytorch_utils.Conv1D
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, 4, batch_first=True)
+    reference = AttentionFromLinears(mha).cuda()
+    mha = mha.cuda()
+    conv = Conv1D(96, E)
+    conv_twin = linear_twin(conv).cuda()
+    conv = conv.cuda()
+    for model in (mha, reference, conv, conv_twin):
+        qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights=weights)
+    x = varied(2, 32, E, seed=1).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, expected = mha(x, x, x)[0], reference(x, x, x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+        assert torch.equal(conv(x), conv_twin(x))
+    got.float().sum().backward()
+    expected.float().sum().backward()
+    assert torch.equal(mha.in_proj_weight.grad, reference.packed.weight.grad)
+
+
+def test_grad_scaler_on_cuda_unscales_the_master_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).cuda()
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights="quantized")
+    optimizer = qtensor.optim.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14)
+    x = torch.randn(32, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(x).float().square().mean()
+    scaler.scale(loss).backward()
+    grads = [(m, p.grad.detach().double() / 2.0**14, m.detach().double()) for p, m in optimizer.pairs]
+    scaler.step(optimizer)
+    scaler.update()
+    for master, grad, before in grads:
+        torch.testing.assert_close(master.detach().double(), before - 0.1 * grad, rtol=1e-6, atol=1e-7)

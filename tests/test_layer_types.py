@@ -133,7 +133,7 @@ class AttentionFromLinears(nn.Module):
             k, v = (p.contiguous() for p in self.kv(key).chunk(2, dim=-1))
         else:
             q, k, v = self.q(query), self.k(key), self.v(value)
-        eye = torch.eye(E)
+        eye = torch.eye(E, device=q.device)
         attention, _ = F.multi_head_attention_forward(
             q, k, v, E, HEADS, None, None, None, None, False, 0.0,
             eye, None, training=True, need_weights=True, use_separate_proj_weight=True,

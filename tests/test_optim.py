@@ -135,12 +135,87 @@ def test_refusing_a_stepped_optimizer_leaves_it_untouched():
     assert all(a is b for a, b in zip(params, inner.param_groups[0]["params"]))
 
 
-def test_a_scheduler_drives_the_wrapped_optimizer():
+def sgd_step_is_exact(optimizer, model, lr, grads):
+    """The masters moved by exactly -lr * grad (plain SGD, computed in float64 here)."""
+    for master, grad, before in grads:
+        expected = before.double() - lr * grad.double()
+        torch.testing.assert_close(master.detach().double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def one_step(model, optimizer, x, y, scale=1.0):
+    """Backward and step; returns (master, gradient it should use, master before) per master."""
+    loss = nn.functional.mse_loss(model(x), y)
+    (loss * scale).backward()
+    grads = [(m, p.grad.detach().clone() / scale, m.detach().clone()) for p, m in optimizer.pairs]
+    return loss, grads
+
+
+def test_it_is_a_torch_optimizer_that_lr_schedulers_step():
     model = quantized_model()
     optimizer = qtensor.optim.MasterWeights(torch.optim.SGD(model.parameters(), lr=1.0))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5)
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     x, y = regression_problem()
-    nn.functional.mse_loss(model(x), y).backward()
+    for lr in (1.0, 0.5, 0.25):
+        assert optimizer.param_groups[0]["lr"] == optimizer.optimizer.param_groups[0]["lr"] == lr
+        _, grads = one_step(model, optimizer, x, y)
+        optimizer.step()
+        sgd_step_is_exact(optimizer, model, lr, grads)
+        optimizer.zero_grad(set_to_none=False)  # in place, on the parameters' and the masters' gradients
+        assert torch.count_nonzero(model[0].weight.grad) == 0 and torch.count_nonzero(optimizer.masters()[0].grad) == 0
+        scheduler.step()
+    assert scheduler.get_last_lr() == [0.125]
+    # ReduceLROnPlateau takes it too.
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.1)
+    plateau.step(1.0)
+    plateau.step(2.0)
+    assert optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0125)
+
+
+def test_a_grad_scaler_unscales_the_gradients_the_step_uses():
+    x, y = regression_problem()
+    model = quantized_model()
+    optimizer = qtensor.optim.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    _, grads = one_step(model, optimizer, x, y, scale=2.0**12)
+    scaler.scale(torch.zeros(()))  # the scaler's state lives on the loss's device
+    scaler.step(optimizer)
+    scaler.update()
+    sgd_step_is_exact(optimizer, model, 0.1, grads)  # the unscaled gradient moved the masters
+    # An overflowing step is skipped: masters and quantized weights stay where they were.
+    before = [m.detach().clone() for m in optimizer.masters()]
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss * float("inf")).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert all(torch.equal(m, b) for m, b in zip(optimizer.masters(), before))
+    assert scaler.get_scale() == 2.0**11
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_clipping_the_model_parameters_reaches_the_masters(param_dtype):
+    x, y = regression_problem()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16)).to(param_dtype)
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights="quantized")
+    optimizer = qtensor.optim.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    nn.functional.mse_loss(model(x.to(param_dtype)).float(), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    assert norm > 1e-2  # clipping really scales the gradients down
+    grads = [(m, p.grad.float().clone(), m.detach().clone()) for p, m in optimizer.pairs]
     optimizer.step()
-    scheduler.step()
-    assert optimizer.param_groups[0]["lr"] == 0.5
+    sgd_step_is_exact(optimizer, model, 0.1, grads)
+
+
+def test_changing_both_gradient_copies_after_backward_is_refused():
+    x, y = regression_problem()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16)).to(torch.bfloat16)
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights="quantized")
+    optimizer = qtensor.optim.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+    optimizer.masters()[0].grad.mul_(0.5)  # as GradScaler.unscale_ would
+    model[0].weight.grad.mul_(0.5)  # as clip_grad_norm_(model.parameters()) would
+    with pytest.raises(ValueError, match="clip the optimizer's parameters"):
+        optimizer.step()
