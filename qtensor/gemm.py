@@ -4,11 +4,20 @@
     dgrad  dX = dY · W      dY rowwise, W columnwise
     wgrad  dW = dYᵀ · X     dY columnwise, X columnwise
 
-This module holds the emulated reference: each operand's direction is dequantized to fp32 and the
-product is taken in fp32. It runs on any device and is what every fast GEMM is checked against.
+Each GEMM is written as C [m, n] = A · Bᵀ over two operand storages whose reduction dimension is
+contiguous: X and W rowwise for fprop; dY rowwise and W columnwise for dgrad; dY and X columnwise
+for wgrad (a columnwise storage holds the transposed matrix, reduction dimension last).
+
+The backend is chosen per pair of operand storages in one table, `BACKENDS`: Float8 × Float8 on
+CUDA runs on the FP8 tensor cores (`torch._scaled_mm`). Any other pair, and every pair on the CPU,
+runs the emulated reference: each operand's direction dequantized to fp32 and the product taken
+in fp32. The reference runs on any device and is what every fast backend is checked against.
 """
 
+from __future__ import annotations
+
 import contextlib
+from typing import Callable
 
 import torch
 
@@ -24,8 +33,12 @@ def operand(tensor: torch.Tensor, direction: str) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _ieee_fp32():
-    """Full fp32 products even where the caller allowed TF32 (set_float32_matmul_precision)."""
+    """Full fp32 products even where the caller allowed TF32 (set_float32_matmul_precision); the
+    process-wide setting is touched only when it is not already "highest"."""
     previous = torch.get_float32_matmul_precision()
+    if previous == "highest":
+        yield
+        return
     torch.set_float32_matmul_precision("highest")
     try:
         yield
@@ -41,16 +54,83 @@ def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b
 
 
-def fprop(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Y [M, N] = X [M, K] · W [N, K]ᵀ, fp32."""
-    return _fp32_matmul(operand(x, "rowwise"), operand(weight, "rowwise").t())
+def _finish(product: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference epilogue: fp32 bias add, one rounding to `out_dtype`."""
+    if bias is not None:
+        product = product + bias.float()
+    return product.to(out_dtype)
 
 
-def dgrad(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dX [M, K] = dY [M, N] · W [N, K], fp32."""
-    return _fp32_matmul(operand(grad_output, "rowwise"), operand(weight, "columnwise"))
+# ---- fast backends ---------------------------------------------------------------------------------
+def _float8_scaled_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Float8 × Float8 on the FP8 tensor cores: A row-major, B column-major (the transpose of a
+    storage whose reduction dimension is contiguous), one fp32 scale each; the bias add and the
+    output cast happen in the GEMM's epilogue. None where `_scaled_mm` cannot take the shapes."""
+    (m, k), (n, k_b) = a.data.shape, b.data.shape
+    if k != k_b or m % 16 or n % 16 or k % 16 or not (a.data.is_contiguous() and b.data.is_contiguous()):
+        return None
+    if a.fp8_dtype == torch.float8_e5m2 and b.fp8_dtype == torch.float8_e5m2:
+        return None  # no E5M2 × E5M2 tensor-core GEMM
+    fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
+    product = torch._scaled_mm(
+        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias if fused_bias else None, out_dtype=out_dtype
+    )
+    if bias is not None and not fused_bias:
+        product = (product.float() + bias.float()).to(out_dtype) if out_dtype != torch.float32 else product + bias.float()
+    return product
 
 
-def wgrad(grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dW [N, K] = dY [M, N]ᵀ · X [M, K], fp32."""
-    return _fp32_matmul(operand(grad_output, "columnwise").t(), operand(x, "columnwise"))
+def _fp8_gemm_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# (format of A's storage, format of B's storage) → (the device test, the backend).
+BACKENDS: dict[tuple[str, str], tuple[Callable[[torch.device], bool], Callable]] = {
+    ("float8", "float8"): (_fp8_gemm_capable, _float8_scaled_mm),
+}
+
+_backend_counts: dict[str, int] = {}
+
+
+def backend_counts(reset: bool = False) -> dict[str, int]:
+    """How many GEMMs each backend ran since the last reset ("reference" or a BACKENDS entry's name)."""
+    counts = dict(_backend_counts)
+    if reset:
+        _backend_counts.clear()
+    return counts
+
+
+def _nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bias, out_dtype) -> torch.Tensor:
+    """C = A · Bᵀ, A and B each one direction of an operand whose reduction dimension is contiguous."""
+    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and not a.is_meta:
+        a_storage, b_storage = a.storage_for(a_direction), b.storage_for(b_direction)
+        entry = BACKENDS.get((a_storage.format_name, b_storage.format_name))
+        if entry is not None and entry[0](a.device):
+            product = entry[1](a_storage, b_storage, bias, out_dtype)
+            if product is not None:
+                name = entry[1].__name__.lstrip("_")
+                _backend_counts[name] = _backend_counts.get(name, 0) + 1
+                return product
+    _backend_counts["reference"] = _backend_counts.get("reference", 0) + 1
+    return _finish(_fp32_matmul(_k_last(a, a_direction), _k_last(b, b_direction).t()), bias, out_dtype)
+
+
+def _k_last(tensor: torch.Tensor, direction: str) -> torch.Tensor:
+    """fp32 values of an operand's direction, laid out with its reduction dimension last."""
+    values = operand(tensor, direction)
+    return values if direction == "rowwise" else values.t()
+
+
+def fprop(x: torch.Tensor, weight: torch.Tensor, bias=None, out_dtype=torch.float32) -> torch.Tensor:
+    """Y [M, N] = X [M, K] · W [N, K]ᵀ (+ bias), in `out_dtype`."""
+    return _nt(x, "rowwise", weight, "rowwise", bias, out_dtype)
+
+
+def dgrad(grad_output: torch.Tensor, weight: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+    """dX [M, K] = dY [M, N] · W [N, K], in `out_dtype`."""
+    return _nt(grad_output, "rowwise", weight, "columnwise", None, out_dtype)
+
+
+def wgrad(grad_output: torch.Tensor, x: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+    """dW [N, K] = dY [M, N]ᵀ · X [M, K], in `out_dtype`."""
+    return _nt(grad_output, "columnwise", x, "columnwise", None, out_dtype)

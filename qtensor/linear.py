@@ -124,10 +124,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
         x_q = _quantize(linear.input, x2d, rowwise=True, columnwise=weight_needs_grad and quantized_backward)
         w_q = _weight_operand(weight, linear, columnwise=input_needs_grad and quantized_backward)
 
-        y = gemm.fprop(x_q, w_q)
-        if bias is not None:
-            y = y + bias.float()
-        out = y.to(_output_dtype(x, weight)).reshape(*x.shape[:-1], y.shape[-1])
+        y = gemm.fprop(x_q, w_q, bias, _output_dtype(x, weight))
+        out = y.reshape(*x.shape[:-1], y.shape[-1])
 
         if override is None:
             saved_x, saved_w = (x_q, "columnwise"), (w_q, "columnwise")
@@ -171,9 +169,9 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
         if input_needs_grad:
             x_shape, x_dtype = ctx.x_meta
-            grad_x = gemm.dgrad(grad_q, saved_w).to(x_dtype).reshape(x_shape)
+            grad_x = gemm.dgrad(grad_q, saved_w, x_dtype).reshape(x_shape)
         if weight_needs_grad:
-            grad_weight = gemm.wgrad(grad_q, saved_x).to(ctx.weight_dtype)
+            grad_weight = gemm.wgrad(grad_q, saved_x, ctx.weight_dtype)
             if ctx.grad_weight_transposed:  # the parameter keeps Conv1D's [in, out] layout
                 grad_weight = grad_weight.t()
         if ctx.needs_input_grad[2]:

@@ -331,9 +331,9 @@ def test_dequantized_backward_uses_the_exact_fp32_forward_operands_of_a_bf16_lay
     seen = {}
 
     def recording(name, real):
-        def gemm_op(grad, operand):
+        def gemm_op(grad, operand, *rest):
             seen[name] = operand
-            return real(grad, operand)
+            return real(grad, operand, *rest)
 
         return gemm_op
 
