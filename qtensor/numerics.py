@@ -53,6 +53,11 @@ def to_fp8_saturating(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| over the finite values, as an fp32 0-d tensor (0 for an empty or all-non-finite x)."""
+    from .kernels import lookup
+
+    kernel = lookup("finite_amax", x)
+    if kernel is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return kernel(x)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax().float()
@@ -103,8 +108,9 @@ def round_down_pow2(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp32(value: float, device=None) -> torch.Tensor:
-    """A 0-d fp32 constant (Python floats are doubles; the spec's constants are fp32)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    """A 0-d fp32 constant (Python floats are doubles; the spec's constants are fp32), filled on the
+    device (no host-to-device copy, so no host synchronisation)."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def scale_from_amax(amax: torch.Tensor, max_value: float, margin: int = 0) -> torch.Tensor:

@@ -9,13 +9,13 @@ from ..numerics import (
     check_choice,
     check_fp8_dtype,
     tensor_amax,
-    fp32,
     fp8_max,
     round_down_pow2,
     saturate,
     scale_from_amax,
     to_fp8,
 )
+from ..kernels import lookup
 from ..quantizer import Quantizer
 from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
@@ -67,7 +67,8 @@ class Float8Storage(Storage):
         return (data, Buffer("scale_inv", torch.float32, (), row_axis=None))
 
     def dequantize(self) -> torch.Tensor:
-        values = dequantize_per_tensor(self.data, self.scale_inv)
+        kernel = lookup("float8.dequantize", self.data)
+        values = kernel(self.data, self.scale_inv, torch.float32) if kernel else dequantize_per_tensor(self.data, self.scale_inv)
         return values if self.direction == "rowwise" else values.t()
 
     def to_direction(self, direction: str) -> "Float8Storage":
@@ -129,13 +130,13 @@ class Float8Quantizer(Quantizer):
     def compute_scale(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 scale this quantizer would use for `x` now (DESIGN.md §2)."""
         if self.scaling == "current":
-            amax = torch.maximum(tensor_amax(x), fp32(self.amax_epsilon, x.device))
+            amax = torch.clamp_min(tensor_amax(x), self.amax_epsilon)
             return self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype)))
         if _replaying and self.last_scale is not None:
             return self.last_scale.to(x.device)
         history = self._history_on(x.device)
         window_amax = history.max() if self.amax_compute_algo == "max" else history[-1]
-        amax = torch.maximum(window_amax, fp32(self.amax_epsilon, x.device))
+        amax = torch.clamp_min(window_amax, self.amax_epsilon)
         scale = self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin))
         # DESIGN.md §2: scale 1 until a cast has been recorded (chosen on the device: no host sync).
         return torch.where(window_amax >= 0, scale, 1.0)
@@ -156,21 +157,22 @@ class Float8Quantizer(Quantizer):
             self.amax_history = self.amax_history.to(device)
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
-        x = x.float()
         scale = self.compute_scale(x)
-        data = quantize_per_tensor(x, scale, self.fp8_dtype)
-        scale_inv = fp32(1.0, x.device) / scale
+        scale_inv = torch.reciprocal(scale)  # 1/scale, correctly rounded
         if update_state and self.scaling == "delayed" and not _replaying:
             self.record_amax(tensor_amax(x))
             self.last_scale = scale
         rows, cols = x.shape
-        rowwise_storage = Float8Storage(
-            direction="rowwise", rows=rows, cols=cols, fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv
+        kernel = lookup("float8.cast", x)
+        if kernel is not None:  # one pass writing the rowwise codes and their transpose
+            row_data, col_data = kernel(x, scale, self.fp8_dtype, rowwise, columnwise)
+        else:
+            row_data = quantize_per_tensor(x.float(), scale, self.fp8_dtype)
+            col_data = row_data.t().contiguous() if columnwise else None
+        storage = lambda direction, data: Float8Storage(
+            direction=direction, rows=rows, cols=cols, fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv
         )
-        return (
-            rowwise_storage if rowwise else None,
-            rowwise_storage.to_direction("columnwise") if columnwise else None,
-        )
+        return (storage("rowwise", row_data) if rowwise else None, storage("columnwise", col_data) if columnwise else None)
 
     def record_amax(self, amax: torch.Tensor) -> None:
         """Append one cast's amax to the delayed-scaling history, in place, dropping the oldest."""

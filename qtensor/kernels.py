@@ -1,0 +1,44 @@
+"""Fast kernels for CUDA tensors: one table, every format (the kernels live in qtensor_kernels/).
+
+Each entry is the fast twin of one pure-torch reference function and is bit-identical to it (tested
+on the GPU). `lookup(name, tensor)` gives the kernel where it applies (a CUDA tensor, Triton
+importable) and None otherwise; the caller then runs the reference, which stays the CPU path and
+the oracle. `reference_kernels()` (or QTENSOR_KERNELS=reference) makes every lookup miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Callable
+
+# name → (module, function). The reference each one replaces is named beside it.
+TABLE: dict[str, tuple[str, str]] = {
+    "finite_amax": ("qtensor_kernels.float8", "finite_amax"),  # numerics.finite_amax
+    "float8.cast": ("qtensor_kernels.float8", "cast"),  # formats.float8.quantize_per_tensor (+ transpose)
+    "float8.dequantize": ("qtensor_kernels.float8", "dequantize"),  # formats.float8.dequantize_per_tensor
+}
+
+_forced_reference = [os.environ.get("QTENSOR_KERNELS", "") == "reference"]
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    """Inside, every operation runs its pure-torch reference, also on CUDA tensors."""
+    previous, _forced_reference[0] = _forced_reference[0], True
+    try:
+        yield
+    finally:
+        _forced_reference[0] = previous
+
+
+def lookup(name: str, tensor) -> Callable | None:
+    if _forced_reference[0] or tensor.device.type != "cuda":
+        return None
+    module_name, function = TABLE[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:  # no Triton: the reference is exact, only slower
+        return None
+    return getattr(module, function)

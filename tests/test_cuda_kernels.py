@@ -1,0 +1,125 @@
+"""The fast GPU paths equal their pure-torch references: the Float8 Triton kernels bit for bit, the
+FP8 tensor-core GEMMs within fp32 accumulation-order tolerance, and a Float8 training step makes
+no host synchronisation. Skipped without a GPU; run on the device machine."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import qtensor
+from qtensor import gemm
+from qtensor.kernels import reference_kernels
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def hard_input(rows, cols, dtype, seed=0):
+    from test_cuda import hard_input as hard
+
+    return hard(rows, cols, dtype, seed).cuda()
+
+
+def varied(rows, cols, seed):
+    generator = torch.Generator().manual_seed(seed)
+    magnitude = torch.exp2(torch.randint(-8, 8, (rows, cols), generator=generator).float())
+    return (torch.randn(rows, cols, generator=generator) * magnitude).cuda()
+
+
+QUANTIZERS = {
+    "e4m3": lambda: qtensor.Float8Quantizer(),
+    "e5m2": lambda: qtensor.Float8Quantizer(torch.float8_e5m2),
+    "e4m3_pow2_eps": lambda: qtensor.Float8Quantizer(force_pow_2_scales=True, amax_epsilon=1e-3),
+    "delayed": lambda: qtensor.Float8Quantizer(scaling="delayed", amax_history_len=4),
+}
+
+
+def raw(q):
+    out = {}
+    for direction in ("rowwise", "columnwise"):
+        storage = getattr(q, direction)
+        if storage is not None:
+            out[f"{direction}.data"] = storage.data.view(torch.uint8).cpu()
+            out[f"{direction}.scale_inv"] = storage.scale_inv.cpu()
+    return out
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (37, 45), (1, 1), (130, 7), (0, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_float8_cast_kernel_is_bitwise_the_reference(name, dtype, shape):
+    x = hard_input(max(shape[0], 8), max(shape[1], 64), dtype)[: shape[0], : shape[1]] if shape[0] else torch.zeros(shape, dtype=dtype, device="cuda")
+    fast_quantizer, reference_quantizer = QUANTIZERS[name](), QUANTIZERS[name]()
+    for step in range(3):  # delayed scaling: the history moves on the device
+        fast = fast_quantizer.quantize(x * (step + 1), rowwise=True, columnwise=True)
+        with reference_kernels():
+            reference = reference_quantizer.quantize(x * (step + 1), rowwise=True, columnwise=True)
+        fast_raw, reference_raw = raw(fast), raw(reference)
+        assert fast_raw.keys() == reference_raw.keys()
+        for key in fast_raw:
+            assert torch.equal(fast_raw[key], reference_raw[key]), key
+    if fast_quantizer.scaling == "delayed":
+        assert torch.equal(fast_quantizer.amax_history, reference_quantizer.amax_history)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_dequantize_kernel_equals_the_reference(fp8_dtype, out_dtype):
+    q = qtensor.Float8Quantizer(fp8_dtype).quantize(hard_input(96, 160, torch.float32), columnwise=False)
+    fast = q.dequantize(out_dtype)
+    with reference_kernels():
+        reference = q.dequantize(out_dtype)
+    assert torch.equal(torch.isnan(fast), torch.isnan(reference))  # NaN payloads may differ
+    assert torch.equal(fast.nan_to_num(0.0), reference.nan_to_num(0.0))
+
+
+def assert_within_fp32_accumulation(actual, a, b):
+    """|actual - a @ b| <= 1e-5 * (|a| @ |b|), the reference taken in float64 on the CPU."""
+    a, b = a.double().cpu().numpy(), b.double().cpu().numpy()
+    bound = 1e-5 * (np.abs(a) @ np.abs(b)) + 1e-30
+    error = np.abs(actual.double().cpu().numpy() - a @ b)
+    ratio = float(np.max(error / bound))
+    print(f"max error / bound: {ratio:.3g}")
+    assert ratio <= 1.0
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_float8_tensor_core_gemms_agree_with_the_reference(out_dtype):
+    m, k, n = 256, 512, 128
+    x = qtensor.Float8Quantizer().quantize(varied(m, k, 1))
+    w = qtensor.Float8Quantizer().quantize(varied(n, k, 2))
+    g = qtensor.Float8Quantizer(torch.float8_e5m2).quantize(varied(m, n, 3))
+    bias = varied(1, n, 4)[0].to(out_dtype)
+    gemm.backend_counts(reset=True)
+    results = {
+        "fprop": (gemm.fprop(x, w, bias, out_dtype), x.dequantize(torch.float32), w.dequantize(torch.float32).t()),
+        "dgrad": (gemm.dgrad(g, w, out_dtype), g.dequantize(torch.float32), w.dequantize(torch.float32, "columnwise")),
+        "wgrad": (gemm.wgrad(g, x, out_dtype), g.dequantize(torch.float32, "columnwise").t(), x.dequantize(torch.float32, "columnwise")),
+    }
+    assert gemm.backend_counts() == {"float8_scaled_mm": 3}
+    for name, (actual, a, b) in results.items():
+        assert actual.dtype == out_dtype, name
+        if name == "fprop":
+            actual = actual.float() - bias.float()
+        if out_dtype == torch.float32:
+            assert_within_fp32_accumulation(actual, a, b)
+        else:  # one bf16 rounding of the fp32 result: within half a bf16 ulp plus the fp32 bound
+            reference = (a.double() @ b.double()).float()
+            torch.testing.assert_close(actual.float(), reference.to(torch.bfloat16).float(), rtol=2**-8, atol=1e-30)
+
+
+@pytest.mark.parametrize("recipe", ["float8_current", "float8_delayed"])
+def test_a_float8_linear_step_runs_three_fp8_gemms_and_no_host_sync(recipe):
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 256, device="cuda", dtype=torch.bfloat16)
+    qtensor.quantize_(layer, getattr(qtensor.recipes, recipe)())
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()  # warm-up: kernels compiled, state moved to the GPU
+    gemm.backend_counts(reset=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert gemm.backend_counts() == {"float8_scaled_mm": 3}
