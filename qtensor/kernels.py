@@ -13,6 +13,9 @@ import importlib
 import os
 from typing import Callable
 
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
 # name → (module, function). The reference each one replaces is named beside it.
 TABLE: dict[str, tuple[str, str]] = {
     "finite_amax": ("qtensor_kernels.float8", "finite_amax"),  # numerics.finite_amax
@@ -34,7 +37,8 @@ def reference_kernels():
 
 
 def lookup(name: str, tensor) -> Callable | None:
-    if _forced_reference[0] or tensor.device.type != "cuda":
+    # Under torch.compile the reference is traced instead: inductor fuses it into its own kernels.
+    if _forced_reference[0] or tensor.device.type != "cuda" or torch.compiler.is_compiling() or is_fake(tensor):
         return None
     module_name, function = TABLE[name]
     try:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-_NAN_CODE = 0x7F  # the one NaN code qtensor writes (numerics.FP8_NAN_CODE)
+_NAN_CODE = tl.constexpr(0x7F)  # the one NaN code qtensor writes (numerics.FP8_NAN_CODE)
 
 
 @triton.jit

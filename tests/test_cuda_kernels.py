@@ -73,11 +73,21 @@ def test_float8_dequantize_kernel_equals_the_reference(fp8_dtype, out_dtype):
     assert torch.equal(fast.nan_to_num(0.0), reference.nan_to_num(0.0))
 
 
-def assert_within_fp32_accumulation(actual, a, b):
-    """|actual - a @ b| <= 1e-5 * (|a| @ |b|), the reference taken in float64 on the CPU."""
+# Hopper's FP8 tensor cores accumulate in reduced precision inside each K chunk before cuBLAS
+# promotes the partial sums to fp32: the products are exact, the sums are not fp32's. The bound is
+# relative to sum |a||b| (the scale of the accumulation), measured ratios are printed.
+FP8_ACCUMULATION = 2.0**-9
+
+
+def assert_close_to_reference(actual, a, b, out_dtype, bias=None):
+    """|actual - (a @ b + bias)| <= FP8_ACCUMULATION * (|a| @ |b|) (+ half a bf16 ulp when rounded
+    to bf16), the reference product taken in float64 on the CPU."""
     a, b = a.double().cpu().numpy(), b.double().cpu().numpy()
-    bound = 1e-5 * (np.abs(a) @ np.abs(b)) + 1e-30
-    error = np.abs(actual.double().cpu().numpy() - a @ b)
+    expected = a @ b + (0.0 if bias is None else bias.double().cpu().numpy())
+    bound = FP8_ACCUMULATION * (np.abs(a) @ np.abs(b)) + 1e-30
+    if out_dtype == torch.bfloat16:
+        bound = bound + np.abs(expected) * 2.0**-8
+    error = np.abs(actual.double().cpu().numpy() - expected)
     ratio = float(np.max(error / bound))
     print(f"max error / bound: {ratio:.3g}")
     assert ratio <= 1.0
@@ -85,7 +95,7 @@ def assert_within_fp32_accumulation(actual, a, b):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_float8_tensor_core_gemms_agree_with_the_reference(out_dtype):
-    m, k, n = 256, 512, 128
+    m, k, n = 256, 4096, 128
     x = qtensor.Float8Quantizer().quantize(varied(m, k, 1))
     w = qtensor.Float8Quantizer().quantize(varied(n, k, 2))
     g = qtensor.Float8Quantizer(torch.float8_e5m2).quantize(varied(m, n, 3))
@@ -99,13 +109,7 @@ def test_float8_tensor_core_gemms_agree_with_the_reference(out_dtype):
     assert gemm.backend_counts() == {"float8_scaled_mm": 3}
     for name, (actual, a, b) in results.items():
         assert actual.dtype == out_dtype, name
-        if name == "fprop":
-            actual = actual.float() - bias.float()
-        if out_dtype == torch.float32:
-            assert_within_fp32_accumulation(actual, a, b)
-        else:  # one bf16 rounding of the fp32 result: within half a bf16 ulp plus the fp32 bound
-            reference = (a.double() @ b.double()).float()
-            torch.testing.assert_close(actual.float(), reference.to(torch.bfloat16).float(), rtol=2**-8, atol=1e-30)
+        assert_close_to_reference(actual.float(), a, b, out_dtype, bias if name == "fprop" else None)
 
 
 @pytest.mark.parametrize("recipe", ["float8_current", "float8_delayed"])
