@@ -9,33 +9,14 @@ from block to block. Speed-up is bf16 time / recipe time.
 """
 
 import argparse
-import statistics
 
 import torch
 from torch import nn
 
 import qtensor
+from timing import median_ms, varied
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 4096), (8192, 4096, 14336), (4096, 2048, 2048)]
-
-
-def median_ms(fn, repeats=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def varied(rows, cols):
-    scale = torch.exp2(torch.randint(-6, 6, (rows, cols // 32), device="cuda").float()).repeat_interleave(32, 1)
-    return (torch.randn(rows, cols, device="cuda") * scale).to(torch.bfloat16)
 
 
 def linear_ms(recipe, m, k, n):

@@ -83,12 +83,18 @@ def train_layer_types(weights: str, mesh=None) -> list[float]:
         for layer in (model.attention, model.conv):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    return train_losses(model, weights)
+
+
+def train_losses(model: nn.Module, weights: str, outputs: int = OUT) -> list[float]:
+    """The losses of AdamW steps (through MasterWeights for quantized weights) on `batches()`,
+    fitting the first `outputs` target columns."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if weights == "quantized":
         optimizer = qtensor.optim.MasterWeights(optimizer)
     losses = []
     for x, target in batches():
-        loss = F.mse_loss(model(x).float(), target)
+        loss = F.mse_loss(model(x).float(), target[:, :outputs])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -327,17 +333,7 @@ def run_distributed(out_path: str) -> None:
             tiny = nn.Sequential(nn.Linear(WIDTH, 1)).to(device())
             qtensor.quantize_(tiny, RECIPES["float8_current"](), weights=weights)
             fully_shard(tiny, mesh=mesh)
-            optimizer = torch.optim.AdamW(tiny.parameters(), lr=1e-2)
-            if weights == "quantized":
-                optimizer = qtensor.optim.MasterWeights(optimizer)
-            losses = []
-            for x, target in batches():
-                loss = F.mse_loss(tiny(x).float(), target[:, :1])
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-            results[("tiny", weights)] = losses
+            results[("tiny", weights)] = train_losses(tiny, weights, outputs=1)
     # A shard edge that cuts an MXFP8 columnwise block (48 rows per rank, blocks of 32).
     torch.manual_seed(0)
     bad = nn.Sequential(nn.Linear(32, 96)).to(device())

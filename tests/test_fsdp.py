@@ -201,16 +201,7 @@ def test_a_layer_with_fewer_rows_than_ranks_trains_like_one_process(distributed,
     torch.manual_seed(0)
     tiny = torch.nn.Sequential(torch.nn.Linear(fsdp_cases.WIDTH, 1)).to(fsdp_cases.device())
     qtensor.quantize_(tiny, fsdp_cases.RECIPES["float8_current"](), weights=weights)
-    optimizer = torch.optim.AdamW(tiny.parameters(), lr=1e-2)
-    if weights == "quantized":
-        optimizer = qtensor.optim.MasterWeights(optimizer)
-    losses = []
-    for x, target in fsdp_cases.batches():
-        loss = torch.nn.functional.mse_loss(tiny(x).float(), target[:, :1])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = fsdp_cases.train_losses(tiny, weights, outputs=1)
     torch.testing.assert_close(torch.tensor(distributed[("tiny", weights)]), torch.tensor(losses), rtol=1e-6, atol=0)
 
 
