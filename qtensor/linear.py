@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import gemm
@@ -79,8 +80,9 @@ def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: boo
     return quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise)
 
 
-def _weight_operand(weight, linear: LinearQuantizers, *, columnwise: bool) -> torch.Tensor:
-    """The weight for this step: the quantized parameter itself, or the dynamic weight quantized now."""
+def _weight_operand(weight, linear: LinearQuantizers, *, columnwise: bool, training: bool) -> torch.Tensor:
+    """The weight for this step: the quantized parameter itself, or the dynamic weight quantized
+    now (a training forward reuses the cast of this optimizer step's first micro-batch)."""
     if isinstance(weight, QuantizedTensor):
         if columnwise and not weight.has_columnwise:
             raise ValueError(
@@ -88,6 +90,8 @@ def _weight_operand(weight, linear: LinearQuantizers, *, columnwise: bool) -> to
                 "dgrad needs. Quantize the weight with columnwise=True (qtensor.quantize_ does)."
             )
         return weight
+    if isinstance(weight, DynamicWeight) and linear.weight is not None:
+        return weight.quantized(columnwise=columnwise, cached=training)
     return _quantize(linear.weight, _plain(weight), rowwise=True, columnwise=columnwise)
 
 
@@ -122,7 +126,9 @@ class QuantizedLinearFunction(torch.autograd.Function):
         # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
         x2d = fold_to_2d(x)
         x_q = _quantize(linear.input, x2d, rowwise=True, columnwise=weight_needs_grad and quantized_backward)
-        w_q = _weight_operand(weight, linear, columnwise=input_needs_grad and quantized_backward)
+        w_q = _weight_operand(
+            weight, linear, columnwise=input_needs_grad and quantized_backward, training=input_needs_grad or weight_needs_grad
+        )
 
         y = gemm.fprop(x_q, w_q, bias, _output_dtype(x, weight))
         out = y.reshape(*x.shape[:-1], y.shape[-1])
@@ -447,13 +453,20 @@ class DynamicWeight(torch.Tensor):
     nn.Module's to / empty_like, detach, clone, ...) give back a DynamicWeight with the same
     quantizers, so a shard never silently loses them. In-place ops (optimizer steps, copy_, init)
     write into `_data`. Everything else returns plain tensors.
+
+    The quantized copy is cached (`quantized()`): gradient accumulation over several micro-batches
+    quantizes the weight once per optimizer step, and any write into the values (through this
+    tensor, an alias of it, or its inner tensor) invalidates the copy before it could be read.
     """
 
     linear_quantizers: LinearQuantizers
     _data: torch.Tensor
+    _writes: "_WriteLog"
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, linear_quantizers: LinearQuantizers, requires_grad: bool | None = None):
+    def __new__(
+        cls, data: torch.Tensor, linear_quantizers: LinearQuantizers, requires_grad: bool | None = None, *, writes=None
+    ):
         requires_grad = data.requires_grad if requires_grad is None else requires_grad
         data = data.detach()
         self = torch.Tensor._make_wrapper_subclass(
@@ -468,6 +481,7 @@ class DynamicWeight(torch.Tensor):
         )
         self._data = data
         self.linear_quantizers = linear_quantizers
+        self._writes = writes if writes is not None else _WriteLog()
         return self
 
     def __init__(self, *args, **kwargs):
@@ -476,6 +490,42 @@ class DynamicWeight(torch.Tensor):
     def plain(self) -> torch.Tensor:
         """The high-precision values as a plain tensor (an alias)."""
         return self._data
+
+    def values_version(self) -> tuple:
+        """Changes whenever the values may have changed: writes through this tensor or its aliases
+        (counted in __torch_dispatch__, where torch's version counters do not move), writes into
+        the inner tensor from outside (its version counter), and writes into plain views of this
+        tensor such as `w.detach()[5]` (autograd makes them share this tensor's version counter)."""
+        return self._writes.count, self._data._version, self._version
+
+    def quantized(self, *, columnwise: bool, cached: bool = True) -> QuantizedTensor:
+        """The values quantized with the layer's weight quantizer (rowwise, plus columnwise when
+        asked), from the cache while the values and the quantizer's running state are unchanged:
+        the micro-batches of one optimizer step share one cast (delayed scaling records one amax).
+        `cached=False` casts afresh and leaves the cache alone (the linear passes it for inference
+        forwards, which cast as a model restored from a checkpoint would)."""
+        linear = self.linear_quantizers
+        quantizer = linear.weight
+        values = self._data.t() if linear.transposed else self._data
+        uncached = not cached or torch.compiler.is_compiling() or is_fake(self._data)
+        if uncached or self._data.is_meta or self._data.is_inference():
+            return quantizer.quantize(values, rowwise=True, columnwise=columnwise)
+        # Aliases share one log: pieces of one weight (cross-attention's q, k, v rows of a packed
+        # in_proj_weight) are told apart by where their values lie.
+        piece = (self._data.data_ptr(), tuple(self._data.shape), self._data.stride(), linear.transposed)
+        cached = self._writes.quantized.get(piece)
+        if (
+            cached is not None
+            and cached[0] == (self.values_version(), quantizer.state_version())
+            and cached[1] is quantizer
+            and (cached[2].has_columnwise or not columnwise)
+        ):
+            return cached[2]
+        quantized = quantizer.quantize(values, rowwise=True, columnwise=columnwise)
+        # Keyed on the quantizer's state after this cast: a delayed-scaling history written since
+        # (a load) makes the next use cast again.
+        self._writes.quantized[piece] = ((self.values_version(), quantizer.state_version()), quantizer, quantized)
+        return quantized
 
     # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap).
     def __tensor_flatten__(self):
@@ -495,7 +545,9 @@ class DynamicWeight(torch.Tensor):
 
     def __deepcopy__(self, memo):
         duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
-        duplicate.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_data"}, memo))
+        # The copy starts with its own write log and no cached quantized copies.
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "_shard_cache")}
+        duplicate.__dict__.update(copy.deepcopy(state, memo))
         return duplicate
 
     def __repr__(self, *, tensor_contents=None):
@@ -538,7 +590,7 @@ class DynamicWeight(torch.Tensor):
         """The local shard quantized in both directions, once per version of the weight (the
         pre-backward re-gather reuses the forward's cast, as a single process quantizes once), with
         tensor-wide amaxes reduced over the mesh so that every shard shares one scale."""
-        key = (self.__dict__.get("_writes", 0), values.dtype)
+        key = (self.values_version(), values.dtype)
         cached = self.__dict__.get("_shard_cache")
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -562,25 +614,42 @@ class DynamicWeight(torch.Tensor):
         out = func(*plain_args, **plain_kwargs)
         _count_writes(func, args, kwargs)
         if func in _DYNAMIC_WEIGHT_PIECES and _keeps_float(func, out):
-            linear = weights[0].linear_quantizers
-            return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, linear), out)
+            source = weights[0]
+            # An alias shares the write log (a write through it changes the source's values).
+            writes = source._writes if func in _ALIASES else None
+            return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, source.linear_quantizers, writes=writes), out)
         # An in-place op hands back the tensor it wrote into: the wrapper, not its inner tensor.
         if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
             return args[0]
         return out
 
 
+class _WriteLog:
+    """Shared by a DynamicWeight and its aliases: how many in-place writes went through any of them,
+    and the quantized copy of the values (dropped at the first write, so it never outlives them)."""
+
+    __slots__ = ("count", "quantized")
+
+    def __init__(self):
+        self.count = 0
+        self.quantized: dict[tuple, tuple] = {}  # piece → (values version, quantizer, quantized tensor)
+
+    def record_write(self) -> None:
+        self.count += 1
+        self.quantized = {}
+
+
 def _count_writes(func, args, kwargs) -> None:
     """Count in-place writes into each DynamicWeight (optimizer steps, copy_, init): its cached
-    quantized shard is stale once it changes. The inner tensor's own version counter does not move
-    for writes made from inside __torch_dispatch__, so the wrapper keeps its own count."""
+    quantized copies are stale once it changes. The inner tensor's own version counter does not
+    move for writes made from inside __torch_dispatch__, so the wrapper keeps its own count."""
     for position, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         value = args[position] if position < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
         for tensor in tree_flatten(value)[0]:
             if isinstance(tensor, DynamicWeight):
-                tensor._writes = tensor.__dict__.get("_writes", 0) + 1
+                tensor._writes.record_write()
 
 
 def _keeps_float(func, out) -> bool:
@@ -610,6 +679,21 @@ _DYNAMIC_WEIGHT_PIECES = {
     aten.empty_like.default,
     aten._to_copy.default,
     aten._pin_memory.default,
+}
+
+
+# The pieces that alias the source's values (the rest are new tensors: clone, new_zeros, _to_copy, ...).
+_ALIASES = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
 }
 
 

@@ -94,6 +94,11 @@ class Quantizer:
         These are the live tensors: writing into them changes the quantizer."""
         return {}
 
+    def state_version(self) -> tuple[int, ...]:
+        """Changes whenever the running state is written (a cast recording its amax, a load):
+        a quantized copy made before such a write may differ from one made now."""
+        return tuple(buffer._version for buffer in self.state_buffers().values())
+
     def move_state(self, device: torch.device) -> None:
         """Move the running state to `device` (where the tensors this quantizer casts live)."""
 

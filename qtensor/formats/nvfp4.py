@@ -27,6 +27,24 @@ _NEAREST_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
+# The two constant tables are built on the tensor's device from integer arithmetic (exact), never
+# copied from the host: a host-to-device copy would synchronise every training step.
+def e2m1_grid(device) -> torch.Tensor:
+    """E2M1_GRID as fp32 on `device`: code bits 0eem: exponent bits e, mantissa bit m → m/2 (e = 0) or 2^(e-1)(1 + m/2)."""
+    codes = torch.arange(8, device=device)
+    exponent, mantissa = (codes >> 1).float(), (codes & 1).float()
+    return torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent - 1) * (1 + mantissa * 0.5))
+
+
+_RHT_NEGATIVE_MASK = sum(1 << i for i, sign in enumerate(RHT_SIGNS) if sign < 0)
+
+
+def rht_signs(device) -> torch.Tensor:
+    """RHT_SIGNS as fp32 ±1 on `device`."""
+    negative = (_RHT_NEGATIVE_MASK >> torch.arange(16, device=device)) & 1
+    return (1 - 2 * negative).float()
+
+
 # ---- numerics ------------------------------------------------------------------------------------
 def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """S_enc = (448 * 6) / global_amax; 1 when global_amax is 0, FLT_MAX when it overflows."""
@@ -44,7 +62,7 @@ def e2m1_codes_nearest(v: torch.Tensor) -> torch.Tensor:
 
 def e2m1_codes_stochastic(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """E2M1 codes rounding |v| up to the next grid value with probability equal to the distance."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
+    grid = e2m1_grid(v.device)
     magnitude = v.abs().clamp(max=E2M1_MAX)
     lower = torch.zeros(v.shape, dtype=torch.long, device=v.device)
     for value in E2M1_GRID[1:]:
@@ -58,7 +76,7 @@ def e2m1_codes_stochastic(v: torch.Tensor, generator: torch.Generator | None) ->
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    grid = e2m1_grid(codes.device)
     magnitude = grid[(codes & 0x7).long()]
     return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
 
@@ -110,7 +128,7 @@ def hadamard16(runs: torch.Tensor) -> torch.Tensor:
 def apply_rht(x_t: torch.Tensor) -> torch.Tensor:
     """Each run of 16 entries along the rows of `x_t` [K, Mp] (Mp a multiple of 16) becomes H @ run,
     H = diag(signs) · H16 / 4 (orthogonal; the scalings are exact)."""
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x_t.device)
+    signs = rht_signs(x_t.device)
     runs = x_t.reshape(x_t.shape[0], x_t.shape[1] // BLOCK_SIZE, BLOCK_SIZE)
     # "+ 0.0" turns -0 into +0: a sum that cancels to zero has no sign, whatever order made it.
     return (hadamard16(runs) * 0.25 * signs + 0.0).reshape(x_t.shape)
@@ -118,7 +136,7 @@ def apply_rht(x_t: torch.Tensor) -> torch.Tensor:
 
 def undo_rht(y_t: torch.Tensor) -> torch.Tensor:
     """Inverse of apply_rht: Hᵀ @ run = H16 @ (signs * run) / 4 (H16 is symmetric)."""
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=y_t.device)
+    signs = rht_signs(y_t.device)
     runs = y_t.reshape(y_t.shape[0], y_t.shape[1] // BLOCK_SIZE, BLOCK_SIZE)
     return (hadamard16(runs * signs) * 0.25).reshape(y_t.shape)
 
