@@ -19,7 +19,12 @@ from torch._subclasses.fake_tensor import is_fake
 # name → (module, function). The reference each one replaces is named beside it.
 TABLE: dict[str, tuple[str, str]] = {
     "finite_amax": ("qtensor_kernels.float8", "finite_amax"),  # numerics.finite_amax
-    "float8.cast": ("qtensor_kernels.float8", "cast"),  # formats.float8.quantize_per_tensor (+ transpose)
+    # formats.float8: quantize_per_tensor (+ its transpose), with the current-scaling scale from
+    # an amax (Float8Quantizer.compute_scale) and 1/scale computed in the kernel
+    "float8.cast": ("qtensor_kernels.float8", "cast"),
+    "float8.amax_partials": ("qtensor_kernels.float8", "amax_partials"),  # numerics.finite_amax, in parts
+    "float8.delayed_scale": ("qtensor_kernels.float8", "delayed_scale"),  # Float8Quantizer.compute_scale, delayed
+    "float8.record_amax": ("qtensor_kernels.float8", "record_amax"),  # Float8Quantizer.record_amax
     "float8.dequantize": ("qtensor_kernels.float8", "dequantize"),  # formats.float8.dequantize_per_tensor
 }
 
@@ -40,9 +45,13 @@ def lookup(name: str, tensor) -> Callable | None:
     # Under torch.compile the reference is traced instead: inductor fuses it into its own kernels.
     if _forced_reference[0] or tensor.device.type != "cuda" or torch.compiler.is_compiling() or is_fake(tensor):
         return None
-    module_name, function = TABLE[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:  # no Triton: the reference is exact, only slower
-        return None
-    return getattr(module, function)
+    if name not in _resolved:
+        module_name, function = TABLE[name]
+        try:
+            _resolved[name] = getattr(importlib.import_module(module_name), function)
+        except ImportError:  # no Triton: the reference is exact, only slower
+            _resolved[name] = None
+    return _resolved[name]
+
+
+_resolved: dict[str, Callable | None] = {}

@@ -86,7 +86,11 @@ def sharded_quantization() -> bool:
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """The amax that sets a tensor-wide scale: `finite_amax`, reduced over the ranks holding the
     other shards when inside `reduce_amax_over`."""
-    amax = finite_amax(x)
+    return reduce_amax(finite_amax(x))
+
+
+def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
+    """`amax` (of this rank's shard) max-ed in place over `reduce_amax_over`'s group, if inside it."""
     if _amax_group is not None:
         import torch.distributed as dist
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .numerics import ceil_div
+from .numerics import cast_saturating, ceil_div
 
 DIRECTIONS = ("rowwise", "columnwise")
 
@@ -91,6 +91,11 @@ class Storage:
     def dequantize(self) -> torch.Tensor:
         """fp32 values in the `[rows, cols]` orientation, whatever the direction."""
         raise NotImplementedError
+
+    def dequantize_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """`dequantize()` rounded once to `dtype`, finite values kept finite (a format with a kernel
+        that writes `dtype` directly overrides this)."""
+        return cast_saturating(self.dequantize(), dtype)
 
     def to_direction(self, direction: str) -> "Storage | None":
         """This storage re-laid out for the other direction, or None when the format cannot."""

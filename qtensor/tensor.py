@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .numerics import FP8_DTYPES, cast_saturating
+from .numerics import FP8_DTYPES
 from .quantizer import DTYPES_BY_NAME, Quantizer, decode_value, encode_value, quantizer_from_dict, quantizer_to_dict
 from .storage import DIRECTIONS, STORAGE_CLASSES, Storage
 
@@ -118,8 +118,7 @@ class QuantizedTensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None, direction: str | None = None) -> torch.Tensor:
         """The values in the original domain and shape, as a plain tensor of `dtype` (default: self.dtype)."""
-        values = self.storage_for(direction).dequantize()
-        return cast_saturating(values.reshape(self.shape), dtype or self.dtype)
+        return self.storage_for(direction).dequantize_as(dtype or self.dtype).reshape(self.shape)
 
     def storage_nbytes(self) -> int:
         """Bytes held by all buffers of both directions (a buffer shared by both counted once)."""

@@ -1,10 +1,18 @@
 """Triton kernels of the Float8 format (one fp32 scale per tensor), bit-identical to the pure-torch
 reference in qtensor/formats/float8.py and qtensor/numerics.py (DESIGN.md §2 "Float8"):
 
-- `finite_amax(x)`: max|x| over the finite values, into a 0-d fp32 tensor, with no host sync.
-- `cast(x, scale, fp8_dtype, rowwise, columnwise)`: one pass over `x` that writes the rowwise codes
-  `[M, N]` and the transposed columnwise codes `[N, M]` (the layout the FP8 GEMMs read).
+- `amax_partials(x)`: partial finite amaxes of `x` (their max is max|x| over the finite values),
+  written without atomics, so nothing is zeroed first; `finite_amax(x)` reduces them to a 0-d tensor.
+- `cast(x, fp8_dtype, rowwise, columnwise, scale=... | amax=..., amax_out=...)`: one pass over `x`
+  that writes the rowwise codes `[M, N]` and the transposed columnwise codes `[N, M]` (the layout
+  the FP8 GEMMs read) and `1/scale`. The scale is given (delayed scaling) or computed in every
+  program from the amax (current scaling); with `amax_out` each program also writes the amax of its
+  tile, which delayed scaling records.
+- `delayed_scale(history, ...)` and `record_amax(history, partials)`: delayed scaling's scale from
+  the amax history, and the history update, each one single-program kernel.
 - `dequantize(data, scale_inv, out_dtype)`: codes times the scale, rounded once to `out_dtype`.
+
+Every scale computation divides with IEEE round-to-nearest (`tl.div_rn`), as torch does.
 """
 
 import torch
@@ -13,44 +21,67 @@ import triton.language as tl
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _NAN_CODE = tl.constexpr(0x7F)  # the one NaN code qtensor writes (numerics.FP8_NAN_CODE)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+# Cast tiles (BLOCK_M, BLOCK_N, warps), packed (M % 4 == 0) and not: the fastest of
+# benchmarks/sweep_cast.py on an H200 (73.6% and 59.8% of the copy bandwidth at 8192x8192 bf16).
+_CAST_TILE = {True: (128, 64, 4), False: (64, 128, 4)}
+
+
+_AMAX_BLOCK = 4096
 
 
 @triton.jit
-def _finite_amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
-    start = tl.program_id(0) * BLOCK * BLOCKS_PER_PROGRAM
+def _amax_partials_kernel(x_ptr, partials_ptr, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Program p writes max|x| over the finite values of blocks p, p + PROGRAMS, ... (no atomics, so
+    nothing has to be zeroed first)."""
     running = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(BLOCKS_PER_PROGRAM):
-        offsets = start + i * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-        magnitude = tl.abs(x)
-        finite = magnitude < float("inf")  # false for Inf and NaN
-        running = tl.maximum(running, tl.where(finite, magnitude, 0.0))
-    tl.atomic_max(amax_ptr, tl.max(running, axis=0))
+    for start in range(tl.program_id(0) * BLOCK, n, PROGRAMS * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        magnitude = tl.abs(tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32))
+        running = tl.maximum(running, tl.where(magnitude < float("inf"), magnitude, 0.0))  # not Inf, not NaN
+    tl.store(partials_ptr + tl.program_id(0), tl.max(running, axis=0))
+
+
+def amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """Partial finite amaxes of `x` (a power-of-two count of them), whose max is its finite amax."""
+    x = x.contiguous()
+    n = x.numel()
+    programs = min(512, triton.next_power_of_2(max(triton.cdiv(n, 4 * _AMAX_BLOCK), 1)))
+    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _amax_partials_kernel[(programs,)](x, partials, n, BLOCK=_AMAX_BLOCK, PROGRAMS=programs, num_warps=8)
+    return partials
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    n = x.numel()
-    if n == 0:
-        return amax
-    x = x.contiguous()
-    block, per_program = 4096, 8
-    grid = (triton.cdiv(n, block * per_program),)
-    _finite_amax_kernel[grid](x, amax, n, BLOCK=block, BLOCKS_PER_PROGRAM=per_program, num_warps=8)
-    return amax
+    partials = amax_partials(x)
+    return partials.max() if partials.numel() > 1 else partials.reshape(())
 
 
 @triton.jit
-def _cast_kernel(
-    x_ptr, scale_ptr, row_ptr, col_ptr, M, N, stride_m,
-    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.load(scale_ptr)
+def _like(value, finite):
+    """`value` as an fp32 tensor shaped like the finite fp32 `finite` (exact: finite * 0 is ±0)."""
+    return finite * 0.0 + value
+
+
+@triton.jit
+def _scale_from_amax(amax, epsilon, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POW2: tl.constexpr):
+    """numerics.scale_from_amax of clamp_min(amax, epsilon), then round_down_pow2 when POW2."""
+    amax = tl.maximum(amax, epsilon)  # an amax is never NaN or infinite
+    scale = tl.div_rn(_like(FP8_MAX, amax), amax)
+    if MARGIN_FACTOR != 1.0:
+        scale = tl.div_rn(scale, _like(MARGIN_FACTOR, amax))
+    scale = tl.where(scale == float("inf"), _FLT_MAX, scale)
+    scale = tl.where(amax == 0.0, 1.0, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _codes(x, scale, FP8_MAX: tl.constexpr, E5M2: tl.constexpr):
+    """FP8 codes (uint8) of fp32 `x` at `scale`: formats.float8.quantize_per_tensor."""
+    y = x * scale
     # Saturate (comparisons are false for NaN, which stays NaN; ±Inf products clamp).
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
     if E5M2:
@@ -60,35 +91,158 @@ def _cast_kernel(
     else:  # E4M3 has no Inf: an infinite input becomes NaN
         codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         codes = tl.where((y != y) | (tl.abs(x) == float("inf")), _NAN_CODE, codes)
-    codes = codes.to(tl.uint8)
-    if ROWWISE:
-        tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], codes, mask=mask)
-    if COLUMNWISE:
-        tl.store(col_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(codes), mask=tl.trans(mask))
+    return codes.to(tl.uint8)
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool):
-    """(rowwise codes [M, N] or None, columnwise codes [N, M] or None) of the 2-D `x` at `scale`."""
+@triton.jit
+def _finite_tile_max(x):
+    magnitude = tl.abs(x)
+    return tl.max(tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1), axis=0)
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, scale_ptr, amax_ptr, scale_inv_ptr, amax_out_ptr, row_ptr, col_ptr, M, N, stride_m, epsilon,
+    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+    AMAX_PARTS: tl.constexpr, POW2: tl.constexpr, AMAX_OUT: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    if AMAX_PARTS > 0:  # current scaling: every program derives the scale from the partial amaxes
+        scale = _scale_from_amax(tl.max(tl.load(amax_ptr + tl.arange(0, AMAX_PARTS)), axis=0), epsilon, FP8_MAX, 1.0, POW2)
+    else:
+        scale = tl.load(scale_ptr)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_inv_ptr, tl.div_rn(_like(1.0, scale), scale))
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PACKED:
+        # M % 4 == 0: the tile is read as 4 interleaved sets of rows, and each columnwise store
+        # writes 4 consecutive codes of a column as one 32-bit word.
+        groups = tl.program_id(0).to(tl.int64) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+        mask = (groups[:, None] * 4 < M) & (offs_n[None, :] < N)
+        words = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.int32)
+        tile_max = 0.0
+        for j in tl.static_range(4):
+            rows = groups * 4 + j
+            x = tl.load(x_ptr + rows[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            if AMAX_OUT:
+                tile_max = tl.maximum(tile_max, _finite_tile_max(x))
+            codes = _codes(x, scale, FP8_MAX, E5M2)
+            if ROWWISE:
+                tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], codes, mask=mask)
+            words = words | (codes.to(tl.int32) << (8 * j))
+        if COLUMNWISE:
+            word_ptr = col_ptr.to(tl.pointer_type(tl.int32))
+            tl.store(word_ptr + offs_n[:, None] * (M // 4) + groups[None, :], tl.trans(words), mask=tl.trans(mask))
+    else:
+        offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if AMAX_OUT:
+            tile_max = _finite_tile_max(x)
+        codes = _codes(x, scale, FP8_MAX, E5M2)
+        if ROWWISE:
+            tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], codes, mask=mask)
+        if COLUMNWISE:
+            tl.store(col_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(codes), mask=tl.trans(mask))
+    if AMAX_OUT:  # delayed scaling records the amax of what it casts: one partial per program
+        tl.store(amax_out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile_max)
+
+
+def cast(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    amax_epsilon: float = 0.0,
+    force_pow_2_scales: bool = False,
+    amax_out: bool = False,
+    block: tuple[int, int, int] | None = None,
+    packed: bool | None = None,
+):
+    """Cast the 2-D `x` to FP8 at `scale`, or at the scale current scaling derives from `amax`
+    (a 0-d amax, or the partial amaxes of `amax_partials`).
+
+    Returns (rowwise codes [M, N] or None, columnwise codes [N, M] or None, 1/scale (0-d), partial
+    amaxes of `x` or None); the partial amaxes (their max is the finite amax of `x`) only with
+    `amax_out=True`.
+    """
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     row = torch.empty((M, N), dtype=fp8_dtype, device=x.device) if rowwise else None
     col = torch.empty((N, M), dtype=fp8_dtype, device=x.device) if columnwise else None
-    if M and N:
-        block_m, block_n = 64, 128
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        _cast_kernel[grid](
-            x, scale, (row if rowwise else col).view(torch.uint8), (col if columnwise else row).view(torch.uint8),
-            M, N, x.stride(0),
-            FP8_MAX=_FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2, ROWWISE=rowwise, COLUMNWISE=columnwise,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8,
-        )
-    return row, col
+    if scale is None:
+        amax = amax.reshape(-1)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    packed = M % 4 == 0 if packed is None else packed
+    block_m, block_n, warps = block or _CAST_TILE[packed]
+    grid = (max(triton.cdiv(M, block_m), 1), max(triton.cdiv(N, block_n), 1))
+    partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device) if amax_out else None
+    codes = (row if rowwise else col).view(torch.uint8)
+    _cast_kernel[grid](
+        x, scale if scale is not None else scale_inv, amax if scale is None else scale, scale_inv, partials if amax_out else scale_inv,
+        codes, (col if columnwise else row).view(torch.uint8),
+        M, N, x.stride(0), float(amax_epsilon),
+        FP8_MAX=_FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2, ROWWISE=rowwise, COLUMNWISE=columnwise,
+        AMAX_PARTS=amax.numel() if scale is None else 0, POW2=force_pow_2_scales, AMAX_OUT=amax_out,
+        PACKED=packed, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    return row, col, scale_inv, partials
+
+
+@triton.jit
+def _delayed_scale_kernel(
+    history_ptr, scale_ptr, epsilon, LENGTH: tl.constexpr, BLOCK: tl.constexpr,
+    MOST_RECENT: tl.constexpr, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POW2: tl.constexpr,
+):
+    if MOST_RECENT:
+        window_amax = tl.load(history_ptr + LENGTH - 1)
+    else:
+        offsets = tl.arange(0, BLOCK)
+        window_amax = tl.max(tl.load(history_ptr + offsets, mask=offsets < LENGTH, other=-float("inf")), axis=0)
+    scale = _scale_from_amax(window_amax, epsilon, FP8_MAX, MARGIN_FACTOR, POW2)
+    # Scale 1 until a cast has been recorded (an unrecorded entry holds -1).
+    tl.store(scale_ptr, tl.where(window_amax >= 0.0, scale, 1.0))
+
+
+def delayed_scale(history, fp8_dtype, amax_epsilon, force_pow_2_scales, margin, most_recent):
+    """The scale of the next cast from the amax history, as Float8Quantizer.compute_scale."""
+    scale = torch.empty((), dtype=torch.float32, device=history.device)
+    length = history.numel()
+    _delayed_scale_kernel[(1,)](
+        history, scale, float(amax_epsilon), LENGTH=length, BLOCK=triton.next_power_of_2(length),
+        MOST_RECENT=most_recent, FP8_MAX=_FP8_MAX[fp8_dtype], MARGIN_FACTOR=2.0**margin, POW2=force_pow_2_scales,
+    )
+    return scale
+
+
+@triton.jit
+def _record_amax_kernel(history_ptr, partials_ptr, parts, LENGTH: tl.constexpr, BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+    # One program: the amax is the max of the partials; every history entry is loaded before any is stored.
+    running = tl.zeros((PART_BLOCK,), dtype=tl.float32)
+    for start in range(0, parts, PART_BLOCK):
+        offsets = start + tl.arange(0, PART_BLOCK)
+        running = tl.maximum(running, tl.load(partials_ptr + offsets, mask=offsets < parts, other=0.0))
+    offsets = tl.arange(0, BLOCK)
+    newer = tl.load(history_ptr + offsets + 1, mask=offsets + 1 < LENGTH)
+    newer = tl.where(offsets == LENGTH - 1, tl.max(running, axis=0), newer)
+    tl.store(history_ptr + offsets, newer, mask=offsets < LENGTH)
+
+
+def record_amax(history: torch.Tensor, partials: torch.Tensor) -> None:
+    """Drop the oldest entry of `history` and append the max of `partials` (an amax), in place."""
+    length = history.numel()
+    _record_amax_kernel[(1,)](
+        history, partials, partials.numel(), LENGTH=length, BLOCK=triton.next_power_of_2(length), PART_BLOCK=1024, num_warps=4
+    )
 
 
 @triton.jit
 def _dequantize_kernel(data_ptr, scale_inv_ptr, out_ptr, n, E5M2: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     codes = tl.load(data_ptr + offsets, mask=mask, other=0)
     if E5M2:

@@ -31,6 +31,10 @@ QUANTIZERS = {
     "e5m2": lambda: qtensor.Float8Quantizer(torch.float8_e5m2),
     "e4m3_pow2_eps": lambda: qtensor.Float8Quantizer(force_pow_2_scales=True, amax_epsilon=1e-3),
     "delayed": lambda: qtensor.Float8Quantizer(scaling="delayed", amax_history_len=4),
+    "delayed_e5m2_recent_margin_pow2_eps": lambda: qtensor.Float8Quantizer(
+        torch.float8_e5m2, scaling="delayed", amax_history_len=3, amax_compute_algo="most_recent", margin=3,
+        force_pow_2_scales=True, amax_epsilon=1e-2,
+    ),
 }
 
 
@@ -44,7 +48,7 @@ def raw(q):
     return out
 
 
-@pytest.mark.parametrize("shape", [(256, 512), (37, 45), (1, 1), (130, 7), (0, 16)])
+@pytest.mark.parametrize("shape", [(256, 512), (68, 200), (4, 3), (37, 45), (1, 1), (130, 7), (0, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_float8_cast_kernel_is_bitwise_the_reference(name, dtype, shape):
@@ -60,6 +64,38 @@ def test_float8_cast_kernel_is_bitwise_the_reference(name, dtype, shape):
             assert torch.equal(fast_raw[key], reference_raw[key]), key
     if fast_quantizer.scaling == "delayed":
         assert torch.equal(fast_quantizer.amax_history, reference_quantizer.amax_history)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 4097, 9_000_001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_amax_kernel_equals_the_reference(dtype, numel):
+    """Partial amaxes over a grid-stride loop (9M elements: several blocks per program), NaN and
+    ±Inf ignored."""
+    from qtensor.numerics import finite_amax
+
+    x = varied(1, numel, seed=numel).to(dtype).reshape(-1)
+    if numel > 3:
+        x[[0, numel // 2, -1]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype, device="cuda")
+    fast = finite_amax(x)
+    with reference_kernels():
+        reference = finite_amax(x)
+    assert fast.shape == reference.shape == () and torch.equal(fast, reference)
+
+
+@pytest.mark.parametrize("magnitude", [0.0, 1e-39, 1e-30, 3.0, 1e38, 3.3e38])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_float8_scale_edges_are_bitwise_the_reference(name, magnitude):
+    """Scales computed in the kernels: amax 0 (scale 1), an fp32 subnormal amax (the quotient
+    overflows to FLT_MAX), huge amaxes (tiny scales, subnormal reciprocals)."""
+    x = torch.full((32, 64), magnitude, device="cuda")
+    x[::2] *= -0.75
+    fast_quantizer, reference_quantizer = QUANTIZERS[name](), QUANTIZERS[name]()
+    for _ in range(2):
+        fast = raw(fast_quantizer.quantize(x))
+        with reference_kernels():
+            reference = raw(reference_quantizer.quantize(x))
+        for key in fast:
+            assert torch.equal(fast[key], reference[key]), key
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

@@ -8,6 +8,8 @@ from ..numerics import (
     FP8_DTYPES,
     check_choice,
     check_fp8_dtype,
+    reduce_amax,
+    sharded_quantization,
     tensor_amax,
     fp8_max,
     round_down_pow2,
@@ -69,6 +71,13 @@ class Float8Storage(Storage):
     def dequantize(self) -> torch.Tensor:
         kernel = lookup("float8.dequantize", self.data)
         values = kernel(self.data, self.scale_inv, torch.float32) if kernel else dequantize_per_tensor(self.data, self.scale_inv)
+        return values if self.direction == "rowwise" else values.t()
+
+    def dequantize_as(self, dtype: torch.dtype) -> torch.Tensor:
+        kernel = lookup("float8.dequantize", self.data)
+        if kernel is None or dtype != torch.bfloat16:  # fp16 needs the clamp of cast_saturating
+            return super().dequantize_as(dtype)
+        values = kernel(self.data, self.scale_inv, dtype)  # the fp32 product, rounded once
         return values if self.direction == "rowwise" else values.t()
 
     def to_direction(self, direction: str) -> "Float8Storage":
@@ -157,22 +166,47 @@ class Float8Quantizer(Quantizer):
             self.amax_history = self.amax_history.to(device)
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
-        scale = self.compute_scale(x)
-        scale_inv = torch.reciprocal(scale)  # 1/scale, correctly rounded
-        if update_state and self.scaling == "delayed" and not _replaying:
-            self.record_amax(tensor_amax(x))
-            self.last_scale = scale
         rows, cols = x.shape
-        kernel = lookup("float8.cast", x)
-        if kernel is not None:  # one pass writing the rowwise codes and their transpose
-            row_data, col_data = kernel(x, scale, self.fp8_dtype, rowwise, columnwise)
+        if lookup("float8.cast", x) is not None:
+            row_data, col_data, scale_inv = self._cast_on_device(x, rowwise, columnwise, update_state)
         else:
+            scale = self.compute_scale(x)
+            scale_inv = torch.reciprocal(scale)  # 1/scale, correctly rounded
+            if update_state and self.scaling == "delayed" and not _replaying:
+                self.record_amax(tensor_amax(x))
+                self.last_scale = scale
             row_data = quantize_per_tensor(x.float(), scale, self.fp8_dtype)
             col_data = row_data.t().contiguous() if columnwise else None
         storage = lambda direction, data: Float8Storage(
             direction=direction, rows=rows, cols=cols, fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv
         )
         return (storage("rowwise", row_data) if rowwise else None, storage("columnwise", col_data) if columnwise else None)
+
+    def _cast_on_device(self, x, rowwise, columnwise, update_state):
+        """The same cast by the kernels of the table: scale, codes of both directions and the
+        history update, with no host sync and no elementwise torch ops on the way."""
+        cast = lookup("float8.cast", x)
+        options = dict(amax_epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales)
+        if self.scaling == "current":
+            # One shard of a sharded tensor needs the amax reduced over the ranks: a 0-d amax.
+            amax = tensor_amax(x) if sharded_quantization() else lookup("float8.amax_partials", x)(x)
+            row, col, scale_inv, _ = cast(x, self.fp8_dtype, rowwise, columnwise, amax=amax, **options)
+            return row, col, scale_inv
+        record = update_state and not _replaying
+        if _replaying and self.last_scale is not None:
+            scale = self.last_scale.to(x.device)
+        else:
+            most_recent = self.amax_compute_algo == "most_recent"
+            scale = lookup("float8.delayed_scale", x)(
+                self._history_on(x.device), self.fp8_dtype, margin=self.margin, most_recent=most_recent, **options
+            )
+        row, col, scale_inv, partials = cast(x, self.fp8_dtype, rowwise, columnwise, scale=scale, amax_out=record)
+        if record:
+            if sharded_quantization():
+                partials = reduce_amax(partials.max())
+            lookup("float8.record_amax", x)(self._history_on(x.device), partials.reshape(-1))
+            self.last_scale = scale
+        return row, col, scale_inv
 
     def record_amax(self, amax: torch.Tensor) -> None:
         """Append one cast's amax to the delayed-scaling history, in place, dropping the oldest."""
