@@ -17,6 +17,7 @@ in fp32. The reference runs on any device and is what every fast backend is chec
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -81,7 +82,12 @@ def _float8_scaled_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -
 
 
 def _fp8_gemm_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 # (format of A's storage, format of B's storage) → (the device test, the backend).

@@ -69,9 +69,10 @@ def _only(tensor: torch.Tensor, direction: str | None) -> torch.Tensor:
     """An alias of a quantized operand that keeps just `direction`, what the backward reads."""
     if direction is None or not isinstance(tensor, QuantizedTensor):
         return tensor
-    alias = tensor.detach()
-    alias.update_usage(**{"columnwise" if direction == "rowwise" else "rowwise": False})
-    return alias
+    # The same storages without the other direction's (what `detach()` then `update_usage` give,
+    # without a trip through __torch_dispatch__).
+    storage = tensor.storage_for(direction)
+    return tensor.with_storages(storage if direction == "rowwise" else None, storage if direction == "columnwise" else None)
 
 
 def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: bool, columnwise: bool) -> torch.Tensor:

@@ -52,6 +52,25 @@ class Buffer:
         return ceil_div(padded, self.rows_per_entry)
 
 
+def _buffer_names(cls, direction: str, options: tuple) -> tuple[str, ...]:
+    """The names of a storage's buffers, in layout order (they depend on the direction and the
+    options, never on the size), computed once per combination."""
+    key = (cls, direction, options)
+    try:
+        return _BUFFER_NAMES[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable option value: not cached (the checks that follow refuse it)
+        key = None
+    names = tuple(buffer.name for buffer in cls.layout(direction, 1, 1, **dict(zip(cls.option_names(), options))))
+    if key is not None:
+        _BUFFER_NAMES[key] = names
+    return names
+
+
+_BUFFER_NAMES: dict[tuple, tuple[str, ...]] = {}
+
+
 class Storage:
     """Base class. A subclass sets `format_name`, `directions` and `option_values` (each format
     option besides direction and size, e.g. `fp8_dtype`, with the values it may take) and implements
@@ -75,12 +94,13 @@ class Storage:
         # True for a storage made by slicing rows out of a larger one: its tensor-wide buffers cover
         # rows it does not hold, so nothing may requantize them (ops.copy_ refuses).
         self.row_slice = row_slice
-        layout = self.layout(direction, rows, cols, **{name: fields.get(name) for name in self.option_names()})
-        expected = set(self.option_names()) | {buffer.name for buffer in layout}
+        buffer_names = _buffer_names(type(self), direction, tuple(fields.get(name) for name in self.option_names()))
+        expected = set(self.option_names()).union(buffer_names)
         if set(fields) != expected:
             raise TypeError(f"{type(self).__name__} takes {sorted(expected)}, got {sorted(fields)}")
         for name, value in fields.items():
             setattr(self, name, value)
+        self._first_buffer = buffer_names[0]
 
     # ---- what every format declares and implements -------------------------------------------
     @classmethod
@@ -131,7 +151,7 @@ class Storage:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.buffers.values())).device
+        return getattr(self, self._first_buffer).device
 
     def rebuilt(self, buffers: dict[str, torch.Tensor], *, rows: int | None = None, row_slice: bool = False) -> "Storage":
         """A storage of this kind, direction and options over other buffers (and row count)."""
