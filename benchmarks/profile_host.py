@@ -31,6 +31,8 @@ def main():
     grad = varied(m, n)
 
     def step():
+        if args.recipe != "bf16":  # as after an optimizer step: the weight is cast again
+            torch.autograd.graph.increment_version(layer.weight)
         layer(x).backward(grad)
         x.grad = layer.weight.grad = None
 

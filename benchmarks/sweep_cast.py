@@ -13,7 +13,7 @@ from qtensor_kernels import float8 as kernels
 from timing import varied
 
 SHAPE = (8192, 8192)
-CONFIGS = [(bm, bn, w) for bm in (32, 64, 128) for bn in (64, 128, 256) for w in (4, 8) if bm * bn <= 32768]
+CONFIGS = [(bm, bn, w) for bm in (64, 128, 256) for bn in (32, 64, 128) for w in (4, 8) if bm * bn <= 16384]
 
 
 def kernel_ms(fn, launches=30):
@@ -41,18 +41,26 @@ def main():
         gbs = nbytes / ms / 1e6
         print(f"{name:<52}{ms:>8.3f} ms {gbs:>7.0f} GB/s {gbs / copy_gbs:>7.1%}", flush=True)
 
-    line("amax_partials", kernel_ms(lambda: kernels.amax_partials(x)), 2 * n)
+    for block, programs, warps in [(4096, 512, 8), (8192, 512, 8), (4096, 1024, 8), (2048, 1024, 4), (8192, 256, 8)]:
+        kernels._AMAX_BLOCK = block
+        partials = torch.empty(programs, device="cuda")
+        launch = lambda: kernels._amax_partials_kernel[(programs,)](x, partials, n, BLOCK=block, PROGRAMS=programs, num_warps=warps)
+        line(f"amax_partials, block {block}, {programs} programs, {warps} warps", kernel_ms(launch), 2 * n)
+    kernels._AMAX_BLOCK = 4096
     results = []
-    for packed in (True, False):
+    for rows_per_word in (4, 1):
         for config in CONFIGS:
-            ms = kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, amax=amax, block=config, packed=packed))
-            results.append((ms, config, packed))
-            line(f"cast both directions, {'packed ' if packed else ''}tile {config[0]}x{config[1]}, {config[2]} warps", ms, 4 * n)
-    best_ms, best, _ = min(r for r in results if r[2])
-    print(f"best packed tile: {best}; best unpacked: {min(r for r in results if not r[2])[1]}")
-    line("cast rowwise only (best tile)", kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, False, amax=amax, block=best)), 3 * n)
-    line("cast columnwise only (best tile)", kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, False, True, amax=amax, block=best)), 3 * n)
-    line("cast both, given scale, amax out (delayed)", kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, scale=scale, amax_out=True, block=best)), 4 * n)
+            ms = kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, amax=amax, block=config, rows_per_word=rows_per_word))
+            results.append((ms, config, rows_per_word))
+            line(f"cast both directions, {rows_per_word} rows per word, tile {config[0]}x{config[1]}, {config[2]} warps", ms, 4 * n)
+    for rows_per_word in (4, 1):
+        print(f"best tile, {rows_per_word} rows per word: {min(r for r in results if r[2] == rows_per_word)[1]}")
+    best_ms, best, best_rows = min(results)
+    delayed = [(kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, scale=scale, amax_out=True, block=c, rows_per_word=r)), c, r) for _, c, r in sorted(results)[:4]]
+    for ms, c, r in delayed:
+        line(f"delayed (records amax), {r} rows per word, tile {c}", ms, 4 * n)
+    line("cast rowwise only (best tile)", kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, False, amax=amax, block=best, rows_per_word=best_rows)), 3 * n)
+    line("cast columnwise only (best tile)", kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, False, True, amax=amax, block=best, rows_per_word=best_rows)), 3 * n)
     row, _, scale_inv, _ = kernels.cast(x, torch.float8_e4m3fn, True, False, amax=amax)
     line("dequantize to bf16", kernel_ms(lambda: kernels.dequantize(row, scale_inv, torch.bfloat16)), 3 * n)
 

@@ -5,18 +5,22 @@ import statistics
 import torch
 
 
-def median_ms(fn, repeats=20, warmup=3):
+def median_ms(fn, repeats=20, warmup=3, overlapped=False):
+    """Median milliseconds of `fn` by CUDA events around each call. Each call waits for the GPU
+    before the next, unless `overlapped`: then the calls run back to back and the host may enqueue
+    one call while the GPU runs the previous, as in a training loop."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        if not overlapped:
+            end.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def varied(rows, cols):

@@ -23,9 +23,10 @@ _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _NAN_CODE = tl.constexpr(0x7F)  # the one NaN code qtensor writes (numerics.FP8_NAN_CODE)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
-# Cast tiles (BLOCK_M, BLOCK_N, warps), packed (M % 4 == 0) and not: the fastest of
-# benchmarks/sweep_cast.py on an H200 (73.6% and 59.8% of the copy bandwidth at 8192x8192 bf16).
-_CAST_TILE = {True: (128, 64, 4), False: (64, 128, 4)}
+# Cast tiles (BLOCK_M, BLOCK_N, warps) by how many rows one columnwise word packs: the fastest of
+# benchmarks/sweep_cast.py on an H200 at 8192x8192 bf16 (73.6% of the copy bandwidth packing 4
+# rows, 60.3% packing none; packing 8 rows into 64-bit words reached 66% at best).
+_CAST_TILE = {4: (128, 64, 4), 1: (64, 128, 4)}
 
 
 _AMAX_BLOCK = 4096
@@ -47,7 +48,8 @@ def amax_partials(x: torch.Tensor) -> torch.Tensor:
     """Partial finite amaxes of `x` (a power-of-two count of them), whose max is its finite amax."""
     x = x.contiguous()
     n = x.numel()
-    programs = min(512, triton.next_power_of_2(max(triton.cdiv(n, 4 * _AMAX_BLOCK), 1)))
+    # Up to 1024 programs: 91.5% of the copy bandwidth on an H200 (512: 79%; benchmarks/sweep_cast.py).
+    programs = min(1024, triton.next_power_of_2(max(triton.cdiv(n, 2 * _AMAX_BLOCK), 1)))
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
     _amax_partials_kernel[(programs,)](x, partials, n, BLOCK=_AMAX_BLOCK, PROGRAMS=programs, num_warps=8)
     return partials
@@ -95,16 +97,16 @@ def _codes(x, scale, FP8_MAX: tl.constexpr, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _finite_tile_max(x):
+def _finite_magnitude(x):
     magnitude = tl.abs(x)
-    return tl.max(tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1), axis=0)
+    return tl.where(magnitude < float("inf"), magnitude, 0.0)  # false for Inf and NaN
 
 
 @triton.jit
 def _cast_kernel(
     x_ptr, scale_ptr, amax_ptr, scale_inv_ptr, amax_out_ptr, row_ptr, col_ptr, M, N, stride_m, epsilon,
     FP8_MAX: tl.constexpr, E5M2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-    AMAX_PARTS: tl.constexpr, POW2: tl.constexpr, AMAX_OUT: tl.constexpr, PACKED: tl.constexpr,
+    AMAX_PARTS: tl.constexpr, POW2: tl.constexpr, AMAX_OUT: tl.constexpr, ROWS_PER_WORD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if AMAX_PARTS > 0:  # current scaling: every program derives the scale from the partial amaxes
@@ -114,37 +116,34 @@ def _cast_kernel(
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_inv_ptr, tl.div_rn(_like(1.0, scale), scale))
     offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PACKED:
-        # M % 4 == 0: the tile is read as 4 interleaved sets of rows, and each columnwise store
-        # writes 4 consecutive codes of a column as one 32-bit word.
-        groups = tl.program_id(0).to(tl.int64) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
-        mask = (groups[:, None] * 4 < M) & (offs_n[None, :] < N)
-        words = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.int32)
-        tile_max = 0.0
-        for j in tl.static_range(4):
-            rows = groups * 4 + j
-            x = tl.load(x_ptr + rows[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-            if AMAX_OUT:
-                tile_max = tl.maximum(tile_max, _finite_tile_max(x))
-            codes = _codes(x, scale, FP8_MAX, E5M2)
-            if ROWWISE:
-                tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], codes, mask=mask)
-            words = words | (codes.to(tl.int32) << (8 * j))
-        if COLUMNWISE:
-            word_ptr = col_ptr.to(tl.pointer_type(tl.int32))
-            tl.store(word_ptr + offs_n[:, None] * (M // 4) + groups[None, :], tl.trans(words), mask=tl.trans(mask))
+    # The tile is read as ROWS_PER_WORD interleaved sets of rows (M is a multiple of it), so that each
+    # columnwise store writes that many consecutive codes of a column as one word (1: one byte).
+    groups = tl.program_id(0).to(tl.int64) * (BLOCK_M // ROWS_PER_WORD) + tl.arange(0, BLOCK_M // ROWS_PER_WORD)
+    mask = (groups[:, None] * ROWS_PER_WORD < M) & (offs_n[None, :] < N)
+    if ROWS_PER_WORD == 8:
+        words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.int64)
+    elif ROWS_PER_WORD == 4:
+        words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.int32)
     else:
-        offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.uint8)
+    magnitudes = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(ROWS_PER_WORD):
+        rows = groups * ROWS_PER_WORD + j
+        x = tl.load(x_ptr + rows[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         if AMAX_OUT:
-            tile_max = _finite_tile_max(x)
+            magnitudes = tl.maximum(magnitudes, _finite_magnitude(x))
         codes = _codes(x, scale, FP8_MAX, E5M2)
         if ROWWISE:
-            tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], codes, mask=mask)
-        if COLUMNWISE:
-            tl.store(col_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(codes), mask=tl.trans(mask))
+            tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], codes, mask=mask)
+        if ROWS_PER_WORD == 1:
+            words = codes
+        else:
+            words = words | (codes.to(words.dtype) << (8 * j))
+    if COLUMNWISE:
+        word_ptr = col_ptr.to(tl.pointer_type(words.dtype))
+        tl.store(word_ptr + offs_n[:, None] * (M // ROWS_PER_WORD) + groups[None, :], tl.trans(words), mask=tl.trans(mask))
     if AMAX_OUT:  # delayed scaling records the amax of what it casts: one partial per program
+        tile_max = tl.max(tl.max(magnitudes, axis=1), axis=0)
         tl.store(amax_out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile_max)
 
 
@@ -160,7 +159,7 @@ def cast(
     force_pow_2_scales: bool = False,
     amax_out: bool = False,
     block: tuple[int, int, int] | None = None,
-    packed: bool | None = None,
+    rows_per_word: int | None = None,
 ):
     """Cast the 2-D `x` to FP8 at `scale`, or at the scale current scaling derives from `amax`
     (a 0-d amax, or the partial amaxes of `amax_partials`).
@@ -177,8 +176,9 @@ def cast(
     if scale is None:
         amax = amax.reshape(-1)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    packed = M % 4 == 0 if packed is None else packed
-    block_m, block_n, warps = block or _CAST_TILE[packed]
+    if rows_per_word is None:
+        rows_per_word = next(r for r in (8, 4, 1) if M % r == 0 and (r in _CAST_TILE))
+    block_m, block_n, warps = block or _CAST_TILE[rows_per_word]
     grid = (max(triton.cdiv(M, block_m), 1), max(triton.cdiv(N, block_n), 1))
     partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device) if amax_out else None
     codes = (row if rowwise else col).view(torch.uint8)
@@ -188,7 +188,7 @@ def cast(
         M, N, x.stride(0), float(amax_epsilon),
         FP8_MAX=_FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2, ROWWISE=rowwise, COLUMNWISE=columnwise,
         AMAX_PARTS=amax.numel() if scale is None else 0, POW2=force_pow_2_scales, AMAX_OUT=amax_out,
-        PACKED=packed, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        ROWS_PER_WORD=rows_per_word, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     return row, col, scale_inv, partials
 
