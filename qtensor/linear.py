@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,34 @@ def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: boo
     return quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise)
 
 
+# The most recent input cast: (weak reference to the input, its version, quantizer, quantized).
+# Layers that read one activation (q, k and v projections; an MLP's gate and up) cast it once.
+_last_input_cast: list = [None]
+
+
+def _input_operand(quantizer: Quantizer | None, x: torch.Tensor, x2d: torch.Tensor, *, columnwise: bool) -> torch.Tensor:
+    """The input for this layer's GEMMs: `x2d` quantized, or the cast the previous layer made of the
+    same unchanged `x` with an equal quantizer that casts reproducibly (no state, no random draws)."""
+    if quantizer is None:
+        return x2d
+    shareable = quantizer.casts_reproducibly() and not (
+        torch.compiler.is_compiling() or is_fake(x) or x.is_inference()
+    )
+    if shareable:
+        last = _last_input_cast[0]
+        if (
+            last is not None
+            and last[0]() is x
+            and last[1] == x._version
+            and (last[3].has_columnwise or not columnwise)
+            and last[2] == quantizer
+        ):
+            return last[3]
+    quantized = quantizer.quantize(x2d, rowwise=True, columnwise=columnwise)
+    _last_input_cast[0] = (weakref.ref(x), x._version, quantizer, quantized) if shareable else None
+    return quantized
+
+
 def _weight_operand(weight, linear: LinearQuantizers, *, columnwise: bool, training: bool) -> torch.Tensor:
     """The weight for this step: the quantized parameter itself, or the dynamic weight quantized
     now (a training forward reuses the cast of this optimizer step's first micro-batch)."""
@@ -126,7 +155,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         quantized_backward = override is None
         # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
         x2d = fold_to_2d(x)
-        x_q = _quantize(linear.input, x2d, rowwise=True, columnwise=weight_needs_grad and quantized_backward)
+        x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
         w_q = _weight_operand(
             weight, linear, columnwise=input_needs_grad and quantized_backward, training=input_needs_grad or weight_needs_grad
         )
@@ -158,6 +187,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         from .optim import hand_over_at_end_of_backward
 
         hand_over_at_end_of_backward()
+        _last_input_cast[0] = None  # the forward is over: the last input cast is freed
         saved_x, saved_w = ctx.saved_tensors
         input_needs_grad, weight_needs_grad = ctx.needs_grad
         linear = ctx.linear

@@ -94,6 +94,11 @@ class Quantizer:
         These are the live tensors: writing into them changes the quantizer."""
         return {}
 
+    def casts_reproducibly(self) -> bool:
+        """True when casting the same values twice gives the same bytes and changes nothing (no
+        running state, no random draws): one cast of an input can then serve every layer reading it."""
+        return not self.state_buffers()
+
     def state_version(self) -> tuple[int, ...]:
         """Changes whenever the running state is written (a cast recording its amax, a load):
         a quantized copy made before such a write may differ from one made now."""

@@ -120,9 +120,7 @@ def _cast_kernel(
     # columnwise store writes that many consecutive codes of a column as one word (1: one byte).
     groups = tl.program_id(0).to(tl.int64) * (BLOCK_M // ROWS_PER_WORD) + tl.arange(0, BLOCK_M // ROWS_PER_WORD)
     mask = (groups[:, None] * ROWS_PER_WORD < M) & (offs_n[None, :] < N)
-    if ROWS_PER_WORD == 8:
-        words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.int64)
-    elif ROWS_PER_WORD == 4:
+    if ROWS_PER_WORD == 4:
         words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.int32)
     else:
         words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.uint8)
@@ -177,7 +175,7 @@ def cast(
         amax = amax.reshape(-1)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     if rows_per_word is None:
-        rows_per_word = next(r for r in (8, 4, 1) if M % r == 0 and (r in _CAST_TILE))
+        rows_per_word = 4 if M % 4 == 0 else 1
     block_m, block_n, warps = block or _CAST_TILE[rows_per_word]
     grid = (max(triton.cdiv(M, block_m), 1), max(triton.cdiv(N, block_n), 1))
     partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device) if amax_out else None

@@ -50,6 +50,9 @@ class HybridQuantizer(Quantizer):
             _, columnwise_storage = self.columnwise._quantize_2d(source, False, True, update_state=update_state)
         return (rowwise_storage if rowwise else None), columnwise_storage
 
+    def casts_reproducibly(self) -> bool:
+        return self.rowwise.casts_reproducibly() and self.columnwise.casts_reproducibly()
+
     def quantizer_for(self, direction: str) -> Quantizer:
         return getattr(self, direction)
 

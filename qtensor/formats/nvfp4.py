@@ -219,6 +219,9 @@ class NVFP4Quantizer(Quantizer):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    def casts_reproducibly(self) -> bool:
+        return not self.stochastic_rounding
+
     def _generator(self, device: torch.device) -> torch.Generator | None:
         """One seeded generator per device, advancing with each quantization; None: torch's global RNG."""
         if self.seed is None or not self.stochastic_rounding:

@@ -1,5 +1,5 @@
-"""A dynamic weight is quantized once per optimizer step (gradient accumulation shares the cast), and
-the cached cast never outlives the values or the running state it was made from."""
+"""Casts made once and reused, never stale: a dynamic weight is quantized once per optimizer step
+(gradient accumulation shares the cast), and an input read by several layers (q, k, v) is cast once."""
 
 import copy
 
@@ -136,3 +136,95 @@ def test_inference_forwards_do_not_use_the_training_cast():
         model(x)
         model(x)
     assert counts == [3, 3]
+
+
+# ---- one cast of an input read by several layers -----------------------------------------------
+class ThreeReaders(nn.Module):
+    """q, k and v projections of one input, as in attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 32), nn.Linear(64, 32), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def count_input_casts(model) -> list[int]:
+    counts = [0]
+    for layer in (model.q, model.k, model.v):
+        quantizer = layer.weight.linear_quantizers.input
+        original = quantizer.quantize
+
+        def counting(*args, _original=original, **kwargs):
+            counts[0] += 1
+            return _original(*args, **kwargs)
+
+        quantizer.quantize = counting
+    return counts
+
+
+@pytest.mark.parametrize("recipe", STATELESS_RECIPES)
+def test_an_input_read_by_three_layers_is_cast_once_and_gives_the_same_result(recipe):
+    torch.manual_seed(0)
+    model = ThreeReaders()
+    qtensor.quantize_(model, getattr(qtensor.recipes, recipe)())
+    twins = [copy.deepcopy(model) for _ in range(3)]
+    counts = count_input_casts(model)
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    torch.manual_seed(5)
+    out = model(x)
+    out.square().sum().backward()
+    assert counts == [1]
+    # Reference: each layer of the twin on its own view of x (a new tensor each: its own cast),
+    # the three input gradients summed by autograd as in the model.
+    twin_counts = [count_input_casts(twin) for twin in twins]
+    torch.manual_seed(5)
+    x_twin = x.detach().clone().requires_grad_(True)
+    pieces = [getattr(twin, name)(x_twin.view_as(x_twin)) for twin, name in zip(twins, "qkv")]
+    torch.cat(pieces, dim=-1).square().sum().backward()
+    assert twin_counts == [[1], [1], [1]]
+    assert torch.equal(out, torch.cat(pieces, dim=-1))
+    assert torch.equal(x.grad, x_twin.grad)
+    for twin, name in zip(twins, "qkv"):
+        assert torch.equal(getattr(model, name).weight.grad, getattr(twin, name).weight.grad)
+
+
+def test_an_input_written_between_layers_is_cast_again():
+    torch.manual_seed(0)
+    model = ThreeReaders()
+    qtensor.quantize_(model, qtensor.recipes.float8_current())
+    counts = count_input_casts(model)
+    x = torch.randn(8, 64)
+    a = model.q(x)
+    x.mul_(4.0)
+    b = model.k(x)
+    assert counts == [2]
+    fresh = copy.deepcopy(model)
+    assert torch.equal(b, fresh.k(x.clone()))
+    assert not torch.equal(a, model.q(x))
+
+
+@pytest.mark.parametrize("recipe", ["float8_delayed", "nvfp4_stochastic_inputs"])
+def test_inputs_are_not_shared_by_quantizers_with_state_or_random_draws(recipe):
+    """Delayed scaling records each cast in its own history; stochastic rounding draws anew."""
+    torch.manual_seed(0)
+    model = ThreeReaders()
+    if recipe == "float8_delayed":
+        qtensor.quantize_(model, qtensor.recipes.float8_delayed())
+    else:
+        factory = lambda role: qtensor.NVFP4Quantizer(stochastic_rounding=True) if role.tensor_type == "input" else None
+        qtensor.quantize_(model, factory)
+    counts = count_input_casts(model)
+    model(torch.randn(8, 64))
+    assert counts == [3]
+
+
+def test_layers_with_different_input_formats_each_cast():
+    torch.manual_seed(0)
+    model = ThreeReaders()
+    formats = iter([qtensor.Float8Quantizer(), qtensor.MXFP8Quantizer(), qtensor.Float8Quantizer(torch.float8_e5m2)])
+    qtensor.quantize_(model, lambda role: next(formats) if role.tensor_type == "input" else None)
+    counts = count_input_casts(model)
+    model(torch.randn(8, 64))
+    assert counts == [3]
