@@ -9,7 +9,8 @@ contiguous: X and W rowwise for fprop; dY rowwise and W columnwise for dgrad; dY
 for wgrad (a columnwise storage holds the transposed matrix, reduction dimension last).
 
 The backend is chosen per pair of operand storages in one table, `BACKENDS`: Float8 × Float8 on
-CUDA runs on the FP8 tensor cores (`torch._scaled_mm`). Any other pair, and every pair on the CPU,
+CUDA runs on the FP8 tensor cores (`torch._scaled_mm`); MXFP8 × MXFP8 on the bf16 tensor cores over
+operands dequantized to bf16, which holds their values. Any other pair, and every pair on the CPU,
 runs the emulated reference: each operand's direction dequantized to fp32 and the product taken
 in fp32. The reference runs on any device and is what every fast backend is checked against.
 """
@@ -81,6 +82,26 @@ def _float8_scaled_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -
     return product
 
 
+def _bf16_k_last(storage) -> torch.Tensor:
+    """The bf16 values of one operand storage, reduction dimension last (a transposed view for a
+    columnwise one: `dequantize_as` gives the [rows, cols] orientation in both directions)."""
+    values = storage.dequantize_as(torch.bfloat16)
+    return values if storage.direction == "rowwise" else values.t()
+
+
+def _dequantized_bf16_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Operands whose values bf16 holds exactly (MXFP8: an E4M3 or E5M2 code times a power of two,
+    exact unless below bf16's normal range, 2**-126) on the bf16 tensor cores: each dequantized to
+    bf16 for this GEMM only, the products exact in fp32 and summed in fp32 (an fp32 output, so no
+    reduced-precision reduction), then the reference epilogue."""
+    product = torch.mm(_bf16_k_last(a), _bf16_k_last(b).t(), out_dtype=torch.float32)
+    return _finish(product, bias, out_dtype)
+
+
+def _bf16_gemm_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device.index) >= (8, 0)
+
+
 def _fp8_gemm_capable(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device.index) >= (8, 9)
 
@@ -93,6 +114,7 @@ def _capability(index: int | None) -> tuple[int, int]:
 # (format of A's storage, format of B's storage) → (the device test, the backend).
 BACKENDS: dict[tuple[str, str], tuple[Callable[[torch.device], bool], Callable]] = {
     ("float8", "float8"): (_fp8_gemm_capable, _float8_scaled_mm),
+    ("mxfp8", "mxfp8"): (_bf16_gemm_capable, _dequantized_bf16_mm),
 }
 
 _backend_counts: dict[str, int] = {}

@@ -26,6 +26,9 @@ TABLE: dict[str, tuple[str, str]] = {
     "float8.delayed_scale": ("qtensor_kernels.float8", "delayed_scale"),  # Float8Quantizer.compute_scale, delayed
     "float8.record_amax": ("qtensor_kernels.float8", "record_amax"),  # Float8Quantizer.record_amax
     "float8.dequantize": ("qtensor_kernels.float8", "dequantize"),  # formats.float8.dequantize_per_tensor
+    # formats.mxfp8: quantize_row_blocks of both directions, from one read
+    "mxfp8.cast": ("qtensor_kernels.mxfp8", "cast"),
+    "mxfp8.dequantize": ("qtensor_kernels.mxfp8", "dequantize"),  # formats.mxfp8.dequantize_row_blocks
 }
 
 _forced_reference = [os.environ.get("QTENSOR_KERNELS", "") == "reference"]

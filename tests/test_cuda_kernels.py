@@ -115,12 +115,17 @@ def test_float8_dequantize_kernel_equals_the_reference(fp8_dtype, out_dtype):
 FP8_ACCUMULATION = 2.0**-9
 
 
-def assert_close_to_reference(actual, a, b, out_dtype, bias=None):
-    """|actual - (a @ b + bias)| <= FP8_ACCUMULATION * (|a| @ |b|) (+ half a bf16 ulp when rounded
+# fp32 accumulation in any order: k roundings of at most 2**-24 relative each, bounded as in
+# DESIGN.md's accumulation-order tolerance.
+FP32_ACCUMULATION = 1e-5
+
+
+def assert_close_to_reference(actual, a, b, out_dtype, bias=None, accumulation=FP8_ACCUMULATION):
+    """|actual - (a @ b + bias)| <= accumulation * (|a| @ |b|) (+ half a bf16 ulp when rounded
     to bf16), the reference product taken in float64 on the CPU."""
     a, b = a.double().cpu().numpy(), b.double().cpu().numpy()
     expected = a @ b + (0.0 if bias is None else bias.double().cpu().numpy())
-    bound = FP8_ACCUMULATION * (np.abs(a) @ np.abs(b)) + 1e-30
+    bound = accumulation * (np.abs(a) @ np.abs(b)) + 1e-30
     if out_dtype == torch.bfloat16:
         bound = bound + np.abs(expected) * 2.0**-8
     error = np.abs(actual.double().cpu().numpy() - expected)
@@ -173,6 +178,8 @@ def test_a_linear_training_step_makes_no_host_sync(recipe, weights):
         torch.cuda.set_sync_debug_mode("default")
     if recipe.startswith("float8"):
         assert gemm.backend_counts() == {"float8_scaled_mm": 3}
+    if recipe == "mxfp8":
+        assert gemm.backend_counts() == {"dequantized_bf16_mm": 3}
 
 
 @pytest.mark.parametrize("name", ["e4m3", "delayed"])
@@ -197,3 +204,89 @@ def test_a_shard_quantized_inside_reduce_amax_over_casts_as_the_whole(name):
         dist.destroy_process_group()
     if name == "delayed":
         assert torch.equal(sharded_quantizer.amax_history, whole_quantizer.amax_history)
+
+
+# ---- MXFP8 --------------------------------------------------------------------------------------
+MX_QUANTIZERS = {
+    "e4m3_rceil": lambda: qtensor.MXFP8Quantizer(),
+    "e4m3_floor": lambda: qtensor.MXFP8Quantizer(scale_rounding="floor"),
+    "e5m2_rceil": lambda: qtensor.MXFP8Quantizer(torch.float8_e5m2),
+    "e5m2_floor": lambda: qtensor.MXFP8Quantizer(torch.float8_e5m2, scale_rounding="floor"),
+}
+
+
+def mx_raw(q):
+    return {
+        f"{d}.{name}": getattr(getattr(q, d), name).view(torch.uint8).cpu()
+        for d in ("rowwise", "columnwise")
+        if getattr(q, d) is not None
+        for name in ("data", "scale_inv")
+    }
+
+
+@pytest.mark.parametrize("directions", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("shape", [(96, 160), (64, 64), (37, 45), (130, 7), (1, 1), (0, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(MX_QUANTIZERS))
+def test_mxfp8_cast_kernel_is_bitwise_the_reference(name, dtype, shape, directions):
+    """NaN, ±Inf, subnormal and huge values (hard_input), partial blocks, fp32 subnormal amaxes."""
+    x = hard_input(max(shape[0], 8), max(shape[1], 64), dtype)[: shape[0], : shape[1]] if shape[0] else torch.zeros(shape, dtype=dtype, device="cuda")
+    rowwise, columnwise = directions
+    fast = mx_raw(MX_QUANTIZERS[name]().quantize(x, rowwise=rowwise, columnwise=columnwise))
+    with reference_kernels():
+        reference = mx_raw(MX_QUANTIZERS[name]().quantize(x, rowwise=rowwise, columnwise=columnwise))
+    assert fast.keys() == reference.keys()
+    for key in fast:
+        assert torch.equal(fast[key], reference[key]), key
+
+
+@pytest.mark.parametrize("magnitude", [0.0, 1e-44, 1e-39, 2.0**-120, 3.0, 3.3e38])
+@pytest.mark.parametrize("name", list(MX_QUANTIZERS))
+def test_mxfp8_scale_edges_are_bitwise_the_reference(name, magnitude):
+    x = torch.full((64, 96), magnitude, device="cuda")
+    x[::3] *= -0.625
+    x[:, 40:] *= 2.0**-7
+    fast = mx_raw(MX_QUANTIZERS[name]().quantize(x))
+    with reference_kernels():
+        reference = mx_raw(MX_QUANTIZERS[name]().quantize(x))
+    for key in fast:
+        assert torch.equal(fast[key], reference[key]), key
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mxfp8_dequantize_kernel_equals_the_reference(fp8_dtype, direction, out_dtype):
+    q = qtensor.MXFP8Quantizer(fp8_dtype).quantize(hard_input(96, 150, torch.float32))
+    fast = q.dequantize(out_dtype, direction)
+    with reference_kernels():
+        reference = q.dequantize(out_dtype, direction)
+    assert torch.equal(torch.isnan(fast), torch.isnan(reference))
+    assert torch.equal(fast.nan_to_num(0.0), reference.nan_to_num(0.0))
+
+
+def test_mxfp8_values_are_exact_in_bf16_above_its_normal_range():
+    """The bf16 GEMM backend's premise: every dequantized MXFP8 value at or above 2**-126 is a bf16."""
+    q = qtensor.MXFP8Quantizer().quantize(varied(256, 512, 9))
+    values = q.dequantize(torch.float32)
+    normal = values.abs() >= 2.0**-126
+    assert torch.equal(values[normal].bfloat16().float(), values[normal])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8_gemms_on_bf16_tensor_cores_agree_with_the_reference(out_dtype):
+    m, k, n = 256, 4096, 128
+    x = qtensor.MXFP8Quantizer().quantize(varied(m, k, 1))
+    w = qtensor.MXFP8Quantizer().quantize(varied(n, k, 2))
+    g = qtensor.MXFP8Quantizer(torch.float8_e5m2).quantize(varied(m, n, 3))
+    bias = varied(1, n, 4)[0].to(out_dtype)
+    gemm.backend_counts(reset=True)
+    results = {
+        "fprop": (gemm.fprop(x, w, bias, out_dtype), x.dequantize(torch.float32), w.dequantize(torch.float32).t()),
+        "dgrad": (gemm.dgrad(g, w, out_dtype), g.dequantize(torch.float32), w.dequantize(torch.float32, "columnwise")),
+        "wgrad": (gemm.wgrad(g, x, out_dtype), g.dequantize(torch.float32, "columnwise").t(), x.dequantize(torch.float32, "columnwise")),
+    }
+    assert gemm.backend_counts() == {"dequantized_bf16_mm": 3}
+    for name, (actual, a, b) in results.items():
+        assert actual.dtype == out_dtype, name
+        assert_close_to_reference(actual.float(), a, b, out_dtype, bias if name == "fprop" else None, accumulation=FP32_ACCUMULATION)

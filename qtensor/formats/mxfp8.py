@@ -14,6 +14,7 @@ from ..numerics import (
     fp8_max,
     to_fp8_saturating,
 )
+from ..kernels import lookup
 from ..quantizer import Quantizer
 from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
@@ -80,9 +81,18 @@ class MXFP8Storage(Storage):
         return (data, scales)
 
     def dequantize(self) -> torch.Tensor:
+        kernel = lookup("mxfp8.dequantize", self.data)
+        if kernel is not None:
+            return kernel(self.data, self.scale_inv, self.direction == "rowwise", torch.float32)
         if self.direction == "rowwise":
             return dequantize_row_blocks(self.data, self.scale_inv)
         return dequantize_row_blocks(self.data.t(), self.scale_inv.t()).t()
+
+    def dequantize_as(self, dtype: torch.dtype) -> torch.Tensor:
+        kernel = lookup("mxfp8.dequantize", self.data)
+        if kernel is None or dtype != torch.bfloat16:  # fp16 needs the clamp of cast_saturating
+            return super().dequantize_as(dtype)
+        return kernel(self.data, self.scale_inv, self.direction == "rowwise", dtype)  # the fp32 product, rounded once
 
 
 class MXFP8Tensor(QuantizedTensor):
@@ -104,9 +114,14 @@ class MXFP8Quantizer(Quantizer):
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         # DESIGN.md §2: both directions come from the high-precision input, never one from the other.
-        x = x.float()
         rows, cols = x.shape
         common = dict(rows=rows, cols=cols, fp8_dtype=self.fp8_dtype)
+        kernel = lookup("mxfp8.cast", x)
+        if kernel is not None:  # both directions from one read of each tile
+            row, col = kernel(x, self.fp8_dtype, self.scale_rounding, rowwise, columnwise)
+            make = lambda direction, pair: MXFP8Storage(direction=direction, **common, data=pair[0], scale_inv=pair[1])
+            return (make("rowwise", row) if rowwise else None, make("columnwise", col) if columnwise else None)
+        x = x.float()
         rowwise_storage = columnwise_storage = None
         if rowwise:
             data, codes = quantize_row_blocks(x, self.fp8_dtype, self.scale_rounding)

@@ -1,0 +1,147 @@
+"""Triton kernels of the MXFP8 format (an E8M0 scale per 32 elements), bit-identical to the pure-torch
+reference in qtensor/formats/mxfp8.py (DESIGN.md §2 "MXFP8"):
+
+- `cast(x, fp8_dtype, scale_rounding, rowwise, columnwise)`: one read of each tile of `x` gives both
+  directions: the rowwise codes with a scale per 32 elements along each row, and the columnwise
+  codes (same element order) with a scale per 32 elements down each column.
+- `dequantize(data, codes, direction, out_dtype)`: codes times their block scale, rounded once.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_ELEMENT_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+_NAN_CODE = tl.constexpr(0x7F)
+BLOCK = tl.constexpr(32)
+
+
+@triton.jit
+def _pow2(exponent):
+    """2**exponent as fp32, exactly, for int32 exponents in [-149, 127] (numerics.exact_pow2)."""
+    normal = (tl.maximum(exponent + 127, 0) << 23).to(tl.float32, bitcast=True)
+    subnormal = (tl.full(exponent.shape, 1, tl.int32) << tl.minimum(tl.maximum(exponent + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(exponent >= -126, normal, subnormal)
+
+
+@triton.jit
+def _e8m0(amax, FP8_MAX: tl.constexpr, EMAX: tl.constexpr, RCEIL: tl.constexpr):
+    """mxfp8.e8m0_codes: the biased E8M0 code (int32) of each block amax; 255 for NaN/Inf."""
+    if RCEIL:
+        ratio = amax * (1.0 / FP8_MAX)
+        bits = ratio.to(tl.int32, bitcast=True)
+        codes = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        codes = tl.where(ratio <= 5.877471754111438e-39, 0, tl.minimum(codes, 254))  # 2**-127
+        finite = tl.abs(ratio) < float("inf")
+    else:
+        # floor(log2(amax)) + 1 (frexp's exponent), subnormal amaxes scaled up by 2**64 first.
+        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        scaled = ((amax * 18446744073709551616.0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        exponent = tl.where(biased == 0, scaled - 126 - 64, biased - 126)
+        codes = tl.minimum(tl.maximum(exponent - 1 - EMAX + 127, 0), 254)
+        codes = tl.where(amax == 0.0, 0, codes)
+        finite = tl.abs(amax) < float("inf")
+    return tl.where(finite, codes, 255)
+
+
+@triton.jit
+def _fp8_codes(y, FP8_MAX: tl.constexpr, E5M2: tl.constexpr):
+    """numerics.to_fp8_saturating as uint8 codes: clamp to ±max (±Inf too), NaN to the one NaN code."""
+    clamped = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+    if E5M2:
+        codes = clamped.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        codes = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(y != y, _NAN_CODE, codes).to(tl.uint8)
+
+
+@triton.jit
+def _block_amax(magnitude, axis: tl.constexpr):
+    """max over `axis` of |x| values, NaN when any is NaN (as torch's amax)."""
+    has_nan = tl.max((magnitude != magnitude).to(tl.int32), axis=axis)
+    return tl.where(has_nan > 0, float("nan"), tl.max(tl.where(magnitude != magnitude, 0.0, magnitude), axis=axis))
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, row_ptr, row_codes_ptr, col_ptr, col_codes_ptr, M, N, stride_m,
+    FP8_MAX: tl.constexpr, EMAX: tl.constexpr, E5M2: tl.constexpr, RCEIL: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    # Partial blocks behave as zero-padded (DESIGN.md §2).
+    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    magnitude = tl.abs(x)
+    if ROWWISE:  # blocks of 32 along each row
+        codes = _e8m0(_block_amax(tl.reshape(magnitude, (BLOCK_M, BLOCK_N // BLOCK, BLOCK)), 2), FP8_MAX, EMAX, RCEIL)
+        scale = _pow2(127 - tl.minimum(codes, 254))
+        y = tl.reshape(tl.reshape(x, (BLOCK_M, BLOCK_N // BLOCK, BLOCK)) * scale[:, :, None], (BLOCK_M, BLOCK_N))
+        tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], _fp8_codes(y, FP8_MAX, E5M2), mask=mask)
+        blocks_n = tl.program_id(1) * (BLOCK_N // BLOCK) + tl.arange(0, BLOCK_N // BLOCK)
+        row_blocks = tl.cdiv(N, BLOCK)
+        block_mask = (offs_m[:, None] < M) & (blocks_n[None, :] < row_blocks)
+        tl.store(row_codes_ptr + offs_m[:, None] * row_blocks + blocks_n[None, :], codes.to(tl.uint8), mask=block_mask)
+    if COLUMNWISE:  # blocks of 32 down each column; the codes keep the [rows, cols] element order
+        codes = _e8m0(_block_amax(tl.reshape(magnitude, (BLOCK_M // BLOCK, BLOCK, BLOCK_N)), 1), FP8_MAX, EMAX, RCEIL)
+        scale = _pow2(127 - tl.minimum(codes, 254))
+        y = tl.reshape(tl.reshape(x, (BLOCK_M // BLOCK, BLOCK, BLOCK_N)) * scale[:, None, :], (BLOCK_M, BLOCK_N))
+        tl.store(col_ptr + offs_m[:, None] * N + offs_n[None, :], _fp8_codes(y, FP8_MAX, E5M2), mask=mask)
+        blocks_m = tl.program_id(0) * (BLOCK_M // BLOCK) + tl.arange(0, BLOCK_M // BLOCK)
+        block_mask = (blocks_m[:, None] < tl.cdiv(M, BLOCK)) & (offs_n[None, :] < N)
+        tl.store(col_codes_ptr + blocks_m[:, None] * N + offs_n[None, :], codes.to(tl.uint8), mask=block_mask)
+
+
+def cast(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str, rowwise: bool, columnwise: bool):
+    """((rowwise data [M, N], codes [M, ceil(N/32)]) or None, (columnwise data [M, N], codes
+    [ceil(M/32), N]) or None) of the 2-D `x`, from one read of each tile."""
+    M, N = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    device = x.device
+    row = (torch.empty((M, N), dtype=fp8_dtype, device=device), torch.empty((M, triton.cdiv(N, 32)), dtype=torch.uint8, device=device)) if rowwise else None
+    col = (torch.empty((M, N), dtype=fp8_dtype, device=device), torch.empty((triton.cdiv(M, 32), N), dtype=torch.uint8, device=device)) if columnwise else None
+    if M and N:
+        block_m, block_n = 64, 64
+        some = row or col
+        _cast_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+            x, *(p.view(torch.uint8) for p in (row or some)), *(p.view(torch.uint8) for p in (col or some)), M, N, x.stride(0),
+            FP8_MAX=_FP8_MAX[fp8_dtype], EMAX=_ELEMENT_EMAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2,
+            RCEIL=scale_rounding == "rceil", ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        )
+    return row, col
+
+
+@triton.jit
+def _dequantize_kernel(
+    data_ptr, codes_ptr, out_ptr, M, N, ALONG_ROWS: tl.constexpr, E5M2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    raw = tl.load(data_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    if E5M2:
+        values = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if ALONG_ROWS:
+        codes = tl.load(codes_ptr + offs_m[:, None] * tl.cdiv(N, 32) + (offs_n // 32)[None, :], mask=mask, other=127)
+    else:
+        codes = tl.load(codes_ptr + (offs_m // 32)[:, None] * N + offs_n[None, :], mask=mask, other=127)
+    codes = codes.to(tl.int32)
+    scale = tl.where(codes == 255, float("nan"), _pow2(tl.minimum(codes, 254) - 127))
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], (values * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(data: torch.Tensor, codes: torch.Tensor, along_rows: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """`data` [M, N] times the block scales (along rows, or down columns), rounded once to `out_dtype`."""
+    M, N = data.shape
+    out = torch.empty((M, N), dtype=out_dtype, device=data.device)
+    if M and N:
+        _dequantize_kernel[(triton.cdiv(M, 64), triton.cdiv(N, 64))](
+            data.contiguous().view(torch.uint8), codes.contiguous(), out, M, N,
+            ALONG_ROWS=along_rows, E5M2=data.dtype == torch.float8_e5m2, BLOCK_M=64, BLOCK_N=64, num_warps=4,
+        )
+    return out
