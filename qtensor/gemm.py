@@ -89,12 +89,31 @@ def _bf16_k_last(storage) -> torch.Tensor:
     return values if storage.direction == "rowwise" else values.t()
 
 
+@contextlib.contextmanager
+def _fp32_reductions():
+    """cuBLAS sums bf16 products in fp32 even across split-K pieces (it may otherwise reduce those
+    in bf16); the process-wide flag is touched only when it allows the reduced precision."""
+    matmul = torch.backends.cuda.matmul
+    if not matmul.allow_bf16_reduced_precision_reduction:
+        yield
+        return
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = True
+
+
 def _dequantized_bf16_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """Operands whose values bf16 holds exactly (MXFP8: an E4M3 or E5M2 code times a power of two,
     exact unless below bf16's normal range, 2**-126) on the bf16 tensor cores: each dequantized to
-    bf16 for this GEMM only, the products exact in fp32 and summed in fp32 (an fp32 output, so no
-    reduced-precision reduction), then the reference epilogue."""
-    product = torch.mm(_bf16_k_last(a), _bf16_k_last(b).t(), out_dtype=torch.float32)
+    bf16 for this GEMM only, the products exact in fp32 and summed in fp32. A bf16 result without
+    bias is rounded once by the GEMM itself; otherwise the reference epilogue follows."""
+    a16, b16 = _bf16_k_last(a), _bf16_k_last(b)
+    with _fp32_reductions():
+        if bias is None and out_dtype == torch.bfloat16:
+            return torch.mm(a16, b16.t())
+        product = torch.mm(a16, b16.t(), out_dtype=torch.float32)
     return _finish(product, bias, out_dtype)
 
 

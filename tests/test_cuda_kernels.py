@@ -287,6 +287,7 @@ def test_mxfp8_gemms_on_bf16_tensor_cores_agree_with_the_reference(out_dtype):
         "wgrad": (gemm.wgrad(g, x, out_dtype), g.dequantize(torch.float32, "columnwise").t(), x.dequantize(torch.float32, "columnwise")),
     }
     assert gemm.backend_counts() == {"dequantized_bf16_mm": 3}
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # torch's default, restored
     for name, (actual, a, b) in results.items():
         assert actual.dtype == out_dtype, name
         assert_close_to_reference(actual.float(), a, b, out_dtype, bias if name == "fprop" else None, accumulation=FP32_ACCUMULATION)
