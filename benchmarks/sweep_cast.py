@@ -1,11 +1,13 @@
 """Tile sizes of the Float8 cast kernel, and the bandwidth of each Float8 kernel alone.
 
-    python benchmarks/sweep_cast.py
+    python benchmarks/sweep_cast.py [--mxfp8]
 
 Each kernel is launched back to back (its host-side launch is shorter than the kernel, so the GPU
 never waits) and timed with CUDA events; bandwidth counts each input byte read once and each
 output byte written once, against the measured device copy (bf16 tensor read and written).
 """
+
+import sys
 
 import torch
 
@@ -28,6 +30,20 @@ def kernel_ms(fn, launches=30):
     return start.elapsed_time(end) / launches
 
 
+def sweep_mxfp8(x, line):
+    from qtensor_kernels import mxfp8
+
+    n = x.numel()
+    results = []
+    for config in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 128, 8), (32, 128, 4), (128, 32, 4), (64, 256, 8)]:
+        cast_ms = kernel_ms(lambda: mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True, block=config))
+        line(f"mxfp8 cast both directions, tile {config}", cast_ms, 4 * n + 2 * n // 32)
+        row, col = mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True)
+        for along_rows, (data, codes) in ((True, row), (False, col)):
+            ms = kernel_ms(lambda: mxfp8.dequantize(data, codes, along_rows, torch.bfloat16, block=config))
+            line(f"mxfp8 dequantize {'rowwise' if along_rows else 'columnwise'} to bf16, tile {config}", ms, 3 * n + n // 32)
+
+
 def main():
     x = varied(*SHAPE)
     n = x.numel()
@@ -41,6 +57,8 @@ def main():
         gbs = nbytes / ms / 1e6
         print(f"{name:<52}{ms:>8.3f} ms {gbs:>7.0f} GB/s {gbs / copy_gbs:>7.1%}", flush=True)
 
+    if "--mxfp8" in sys.argv:
+        return sweep_mxfp8(x, line)
     for block, programs, warps in [(4096, 512, 8), (8192, 512, 8), (4096, 1024, 8), (2048, 1024, 4), (8192, 256, 8)]:
         kernels._AMAX_BLOCK = block
         partials = torch.empty(programs, device="cuda")
