@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qtensor
-from timing import median_ms, varied
+from timing import back_to_back_ms, median_ms, varied
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 4096), (8192, 4096, 14336), (4096, 2048, 2048)]
 QTENSOR_RECIPES = "float8_current,float8_delayed"
@@ -89,18 +89,6 @@ def linear_table(systems):
             speed += f"{base / times[system]:>{width}.2f}"
         print(line)
         print(speed, flush=True)
-
-
-def back_to_back_ms(fn, launches=30):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(launches):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / launches
 
 
 def kernel_table():

@@ -12,22 +12,10 @@ import sys
 import torch
 
 from qtensor_kernels import float8 as kernels
-from timing import varied
+from timing import back_to_back_ms, varied
 
 SHAPE = (8192, 8192)
 CONFIGS = [(bm, bn, w) for bm in (64, 128, 256) for bn in (32, 64, 128) for w in (4, 8) if bm * bn <= 16384]
-
-
-def kernel_ms(fn, launches=30):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(launches):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / launches
 
 
 def sweep_mxfp8(x, line):
@@ -36,18 +24,18 @@ def sweep_mxfp8(x, line):
     n = x.numel()
     results = []
     for config in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 128, 8), (32, 128, 4), (128, 32, 4), (64, 256, 8)]:
-        cast_ms = kernel_ms(lambda: mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True, block=config))
+        cast_ms = back_to_back_ms(lambda: mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True, block=config))
         line(f"mxfp8 cast both directions, tile {config}", cast_ms, 4 * n + 2 * n // 32)
         row, col = mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True)
         for along_rows, (data, codes) in ((True, row), (False, col)):
-            ms = kernel_ms(lambda: mxfp8.dequantize(data, codes, along_rows, torch.bfloat16, block=config))
+            ms = back_to_back_ms(lambda: mxfp8.dequantize(data, codes, along_rows, torch.bfloat16, block=config))
             line(f"mxfp8 dequantize {'rowwise' if along_rows else 'columnwise'} to bf16, tile {config}", ms, 3 * n + n // 32)
 
 
 def main():
     x = varied(*SHAPE)
     n = x.numel()
-    copy_ms = kernel_ms(lambda: torch.empty_like(x).copy_(x))
+    copy_ms = back_to_back_ms(lambda: torch.empty_like(x).copy_(x))
     copy_gbs = 4 * n / copy_ms / 1e6
     print(f"{torch.cuda.get_device_name()}: device copy of a [{SHAPE[0]}, {SHAPE[1]}] bf16 tensor {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s")
     amax = kernels.amax_partials(x)
@@ -63,24 +51,24 @@ def main():
         kernels._AMAX_BLOCK = block
         partials = torch.empty(programs, device="cuda")
         launch = lambda: kernels._amax_partials_kernel[(programs,)](x, partials, n, BLOCK=block, PROGRAMS=programs, num_warps=warps)
-        line(f"amax_partials, block {block}, {programs} programs, {warps} warps", kernel_ms(launch), 2 * n)
+        line(f"amax_partials, block {block}, {programs} programs, {warps} warps", back_to_back_ms(launch), 2 * n)
     kernels._AMAX_BLOCK = 4096
     results = []
     for rows_per_word in (4, 1):
         for config in CONFIGS:
-            ms = kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, amax=amax, block=config, rows_per_word=rows_per_word))
+            ms = back_to_back_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, amax=amax, block=config, rows_per_word=rows_per_word))
             results.append((ms, config, rows_per_word))
             line(f"cast both directions, {rows_per_word} rows per word, tile {config[0]}x{config[1]}, {config[2]} warps", ms, 4 * n)
     for rows_per_word in (4, 1):
         print(f"best tile, {rows_per_word} rows per word: {min(r for r in results if r[2] == rows_per_word)[1]}")
     best_ms, best, best_rows = min(results)
-    delayed = [(kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, scale=scale, amax_out=True, block=c, rows_per_word=r)), c, r) for _, c, r in sorted(results)[:4]]
+    delayed = [(back_to_back_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, True, scale=scale, amax_out=True, block=c, rows_per_word=r)), c, r) for _, c, r in sorted(results)[:4]]
     for ms, c, r in delayed:
         line(f"delayed (records amax), {r} rows per word, tile {c}", ms, 4 * n)
-    line("cast rowwise only (best tile)", kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, False, amax=amax, block=best, rows_per_word=best_rows)), 3 * n)
-    line("cast columnwise only (best tile)", kernel_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, False, True, amax=amax, block=best, rows_per_word=best_rows)), 3 * n)
+    line("cast rowwise only (best tile)", back_to_back_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, True, False, amax=amax, block=best, rows_per_word=best_rows)), 3 * n)
+    line("cast columnwise only (best tile)", back_to_back_ms(lambda: kernels.cast(x, torch.float8_e4m3fn, False, True, amax=amax, block=best, rows_per_word=best_rows)), 3 * n)
     row, _, scale_inv, _ = kernels.cast(x, torch.float8_e4m3fn, True, False, amax=amax)
-    line("dequantize to bf16", kernel_ms(lambda: kernels.dequantize(row, scale_inv, torch.bfloat16)), 3 * n)
+    line("dequantize to bf16", back_to_back_ms(lambda: kernels.dequantize(row, scale_inv, torch.bfloat16)), 3 * n)
 
 
 if __name__ == "__main__":

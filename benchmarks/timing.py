@@ -23,6 +23,20 @@ def median_ms(fn, repeats=20, warmup=3, overlapped=False):
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def back_to_back_ms(fn, launches=30):
+    """Mean milliseconds of `fn` launched `launches` times back to back (for kernels whose host-side
+    launch is shorter than the kernel: the GPU never waits, so this is the kernel's own time)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / launches
+
+
 def varied(rows, cols):
     scale = torch.exp2(torch.randint(-6, 6, (rows, cols // 32), device="cuda").float()).repeat_interleave(32, 1)
     return (torch.randn(rows, cols, device="cuda") * scale).to(torch.bfloat16)

@@ -690,30 +690,8 @@ def _keeps_float(func, out) -> bool:
 
 
 aten = torch.ops.aten
-# Ops whose result is (a piece of) the same weight: FSDP2 sends chunk/split, new_zeros, slice/narrow,
-# copy_, view and as_strided; nn.Module sends detach, _to_copy, empty_like (to_empty) and clone.
-_DYNAMIC_WEIGHT_PIECES = {
-    aten.detach.default,
-    aten.alias.default,
-    aten.clone.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.as_strided.default,
-    aten.slice.Tensor,
-    aten.narrow.default,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.chunk.default,
-    aten.new_zeros.default,
-    aten.new_empty.default,
-    aten.new_empty_strided.default,
-    aten.empty_like.default,
-    aten._to_copy.default,
-    aten._pin_memory.default,
-}
-
-
-# The pieces that alias the source's values (the rest are new tensors: clone, new_zeros, _to_copy, ...).
+# Ops whose result aliases (a piece of) the same weight's values: FSDP2 sends chunk/split,
+# slice/narrow, view and as_strided; nn.Module sends detach.
 _ALIASES = {
     aten.detach.default,
     aten.alias.default,
@@ -725,6 +703,17 @@ _ALIASES = {
     aten.split.Tensor,
     aten.split_with_sizes.default,
     aten.chunk.default,
+}
+# Ops whose result is (a piece of) the same weight: the aliases, and new tensors of it (FSDP2's
+# new_zeros, nn.Module's _to_copy, empty_like (to_empty) and clone).
+_DYNAMIC_WEIGHT_PIECES = _ALIASES | {
+    aten.clone.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.empty_like.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
 }
 
 

@@ -134,12 +134,13 @@ def assert_close_to_reference(actual, a, b, out_dtype, bias=None, accumulation=F
     assert ratio <= 1.0
 
 
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_float8_tensor_core_gemms_agree_with_the_reference(out_dtype):
+def check_the_three_gemms(quantizer, grad_quantizer, backend, out_dtype, accumulation):
+    """fprop (with bias), dgrad and wgrad of quantized operands all run on `backend`, each within
+    `accumulation` of the float64 product of the operands' dequantized values."""
     m, k, n = 256, 4096, 128
-    x = qtensor.Float8Quantizer().quantize(varied(m, k, 1))
-    w = qtensor.Float8Quantizer().quantize(varied(n, k, 2))
-    g = qtensor.Float8Quantizer(torch.float8_e5m2).quantize(varied(m, n, 3))
+    x = quantizer().quantize(varied(m, k, 1))
+    w = quantizer().quantize(varied(n, k, 2))
+    g = grad_quantizer().quantize(varied(m, n, 3))
     bias = varied(1, n, 4)[0].to(out_dtype)
     gemm.backend_counts(reset=True)
     results = {
@@ -147,10 +148,16 @@ def test_float8_tensor_core_gemms_agree_with_the_reference(out_dtype):
         "dgrad": (gemm.dgrad(g, w, out_dtype), g.dequantize(torch.float32), w.dequantize(torch.float32, "columnwise")),
         "wgrad": (gemm.wgrad(g, x, out_dtype), g.dequantize(torch.float32, "columnwise").t(), x.dequantize(torch.float32, "columnwise")),
     }
-    assert gemm.backend_counts() == {"float8_scaled_mm": 3}
+    assert gemm.backend_counts() == {backend: 3}
     for name, (actual, a, b) in results.items():
         assert actual.dtype == out_dtype, name
-        assert_close_to_reference(actual.float(), a, b, out_dtype, bias if name == "fprop" else None)
+        assert_close_to_reference(actual.float(), a, b, out_dtype, bias if name == "fprop" else None, accumulation)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_float8_tensor_core_gemms_agree_with_the_reference(out_dtype):
+    e5m2 = lambda: qtensor.Float8Quantizer(torch.float8_e5m2)
+    check_the_three_gemms(qtensor.Float8Quantizer, e5m2, "float8_scaled_mm", out_dtype, FP8_ACCUMULATION)
 
 
 @pytest.mark.parametrize("recipe", ["float8_current", "float8_delayed", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
@@ -275,19 +282,6 @@ def test_mxfp8_values_are_exact_in_bf16_above_its_normal_range():
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_mxfp8_gemms_on_bf16_tensor_cores_agree_with_the_reference(out_dtype):
-    m, k, n = 256, 4096, 128
-    x = qtensor.MXFP8Quantizer().quantize(varied(m, k, 1))
-    w = qtensor.MXFP8Quantizer().quantize(varied(n, k, 2))
-    g = qtensor.MXFP8Quantizer(torch.float8_e5m2).quantize(varied(m, n, 3))
-    bias = varied(1, n, 4)[0].to(out_dtype)
-    gemm.backend_counts(reset=True)
-    results = {
-        "fprop": (gemm.fprop(x, w, bias, out_dtype), x.dequantize(torch.float32), w.dequantize(torch.float32).t()),
-        "dgrad": (gemm.dgrad(g, w, out_dtype), g.dequantize(torch.float32), w.dequantize(torch.float32, "columnwise")),
-        "wgrad": (gemm.wgrad(g, x, out_dtype), g.dequantize(torch.float32, "columnwise").t(), x.dequantize(torch.float32, "columnwise")),
-    }
-    assert gemm.backend_counts() == {"dequantized_bf16_mm": 3}
+    e5m2 = lambda: qtensor.MXFP8Quantizer(torch.float8_e5m2)
+    check_the_three_gemms(qtensor.MXFP8Quantizer, e5m2, "dequantized_bf16_mm", out_dtype, FP32_ACCUMULATION)
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # torch's default, restored
-    for name, (actual, a, b) in results.items():
-        assert actual.dtype == out_dtype, name
-        assert_close_to_reference(actual.float(), a, b, out_dtype, bias if name == "fprop" else None, accumulation=FP32_ACCUMULATION)
