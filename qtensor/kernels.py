@@ -29,6 +29,12 @@ TABLE: dict[str, tuple[str, str]] = {
     # formats.mxfp8: quantize_row_blocks of both directions, from one read
     "mxfp8.cast": ("qtensor_kernels.mxfp8", "cast"),
     "mxfp8.dequantize": ("qtensor_kernels.mxfp8", "dequantize"),  # formats.mxfp8.dequantize_row_blocks
+    # formats.nvfp4: quantize_row_blocks of both directions (tiles, transform and stochastic
+    # rounding included), from one read
+    "nvfp4.cast": ("qtensor_kernels.nvfp4", "cast"),
+    "nvfp4.amaxes": ("qtensor_kernels.nvfp4", "amaxes"),  # numerics.finite_amax of x and of apply_rht(x.t())
+    "nvfp4.dequantize": ("qtensor_kernels.nvfp4", "dequantize"),  # formats.nvfp4.dequantize_row_blocks
+    "gemm.scale_output": ("qtensor_kernels.gemm", "scale_output"),  # gemm._scale_and_finish
 }
 
 _forced_reference = [os.environ.get("QTENSOR_KERNELS", "") == "reference"]

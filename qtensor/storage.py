@@ -117,6 +117,12 @@ class Storage:
         that writes `dtype` directly overrides this)."""
         return cast_saturating(self.dequantize(), dtype)
 
+    def bf16_operand(self) -> "tuple[torch.Tensor, torch.Tensor | None] | None":
+        """This storage as an operand of a GEMM on the bf16 tensor cores, where bf16 holds its values
+        exactly: (bf16 values with the reduction dimension last, an fp32 0-d scale that multiplies
+        the GEMM's fp32 result, or None); None for a format without such a form."""
+        return None
+
     def to_direction(self, direction: str) -> "Storage | None":
         """This storage re-laid out for the other direction, or None when the format cannot."""
         return self if direction == self.direction else None

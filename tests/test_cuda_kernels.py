@@ -9,7 +9,7 @@ from torch import nn
 
 import qtensor
 from qtensor import gemm
-from qtensor.kernels import reference_kernels
+from qtensor.kernels import lookup, reference_kernels
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -134,12 +134,12 @@ def assert_close_to_reference(actual, a, b, out_dtype, bias=None, accumulation=F
     assert ratio <= 1.0
 
 
-def check_the_three_gemms(quantizer, grad_quantizer, backend, out_dtype, accumulation):
+def check_the_three_gemms(quantizer, grad_quantizer, backend, out_dtype, accumulation, weight_quantizer=None):
     """fprop (with bias), dgrad and wgrad of quantized operands all run on `backend`, each within
     `accumulation` of the float64 product of the operands' dequantized values."""
     m, k, n = 256, 4096, 128
     x = quantizer().quantize(varied(m, k, 1))
-    w = quantizer().quantize(varied(n, k, 2))
+    w = (weight_quantizer or quantizer)().quantize(varied(n, k, 2))
     g = grad_quantizer().quantize(varied(m, n, 3))
     bias = varied(1, n, 4)[0].to(out_dtype)
     gemm.backend_counts(reset=True)
@@ -185,7 +185,7 @@ def test_a_linear_training_step_makes_no_host_sync(recipe, weights):
         torch.cuda.set_sync_debug_mode("default")
     if recipe.startswith("float8"):
         assert gemm.backend_counts() == {"float8_scaled_mm": 3}
-    if recipe == "mxfp8":
+    if recipe in ("mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"):
         assert gemm.backend_counts() == {"dequantized_bf16_mm": 3}
 
 
@@ -285,3 +285,134 @@ def test_mxfp8_gemms_on_bf16_tensor_cores_agree_with_the_reference(out_dtype):
     e5m2 = lambda: qtensor.MXFP8Quantizer(torch.float8_e5m2)
     check_the_three_gemms(qtensor.MXFP8Quantizer, e5m2, "dequantized_bf16_mm", out_dtype, FP32_ACCUMULATION)
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # torch's default, restored
+
+
+# ---- NVFP4 --------------------------------------------------------------------------------------
+NV_QUANTIZERS = {
+    "blocks": lambda: qtensor.NVFP4Quantizer(),
+    "tiles": lambda: qtensor.NVFP4Quantizer(block_2d=True),
+    "rht": lambda: qtensor.NVFP4Quantizer(rht=True),
+    "stochastic": lambda: qtensor.NVFP4Quantizer(stochastic_rounding=True, seed=5),
+    "rht_stochastic": lambda: qtensor.NVFP4Quantizer(rht=True, stochastic_rounding=True, seed=6),
+    "tiles_stochastic": lambda: qtensor.NVFP4Quantizer(block_2d=True, stochastic_rounding=True, seed=7),
+}
+
+
+def nv_raw(q):
+    out = {}
+    for direction in ("rowwise", "columnwise"):
+        storage = getattr(q, direction)
+        if storage is not None:
+            out[f"{direction}.data"] = storage.data.cpu()
+            out[f"{direction}.scale_inv"] = storage.scale_inv.view(torch.uint8).cpu()
+            out[f"{direction}.global_amax"] = storage.global_amax.cpu()
+    return out
+
+
+@pytest.mark.parametrize("directions", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("shape", [(96, 160), (64, 64), (37, 45), (130, 7), (1, 1), (0, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(NV_QUANTIZERS))
+def test_nvfp4_cast_kernel_is_bitwise_the_reference(name, dtype, shape, directions):
+    """NaN, ±Inf, subnormal and huge values (hard_input), partial blocks and tiles, the Hadamard
+    transform's padding rows; stochastic rounding with the same seed draws the same numbers."""
+    x = hard_input(max(shape[0], 8), max(shape[1], 64), dtype)[: shape[0], : shape[1]] if shape[0] else torch.zeros(shape, dtype=dtype, device="cuda")
+    rowwise, columnwise = directions
+    fast_quantizer, reference_quantizer = NV_QUANTIZERS[name](), NV_QUANTIZERS[name]()
+    for _ in range(2):  # stochastic rounding: the second cast draws new keys
+        fast = nv_raw(fast_quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise))
+        with reference_kernels():
+            reference = nv_raw(reference_quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise))
+        assert fast.keys() == reference.keys()
+        for key in fast:
+            assert torch.equal(fast[key], reference[key]), key
+
+
+@pytest.mark.parametrize("magnitude", [0.0, 1e-44, 1e-39, 2.0**-120, 3.0, 3.3e38])
+@pytest.mark.parametrize("name", ["blocks", "tiles", "rht_stochastic"])
+def test_nvfp4_scale_edges_are_bitwise_the_reference(name, magnitude):
+    """Block scales that saturate at 448, round to E4M3 subnormals or to zero, and S_enc at FLT_MAX."""
+    x = torch.full((64, 96), magnitude, device="cuda")
+    x[::3] *= -0.625
+    x[:, 40:] *= 2.0**-7
+    x[5, :] *= 2.0**-30
+    fast = nv_raw(NV_QUANTIZERS[name]().quantize(x))
+    with reference_kernels():
+        reference = nv_raw(NV_QUANTIZERS[name]().quantize(x))
+    for key in fast:
+        assert torch.equal(fast[key], reference[key]), key
+
+
+def test_nvfp4_stochastic_rounding_reproduces_from_torch_manual_seed():
+    """Without a quantizer seed, the keys come from torch's CUDA generator: one seed, one result."""
+    x = varied(96, 160, 3)
+    casts = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        casts.append(nv_raw(qtensor.NVFP4Quantizer(rht=True, stochastic_rounding=True).quantize(x)))
+    torch.manual_seed(12)
+    other = nv_raw(qtensor.NVFP4Quantizer(rht=True, stochastic_rounding=True).quantize(x))
+    assert all(torch.equal(casts[0][key], casts[1][key]) for key in casts[0])
+    assert not torch.equal(casts[0]["rowwise.data"], other["rowwise.data"])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("name", ["blocks", "tiles", "rht"])
+def test_nvfp4_dequantize_kernel_equals_the_reference(name, direction, out_dtype):
+    q = NV_QUANTIZERS[name]().quantize(hard_input(96, 150, torch.float32))
+    fast = q.dequantize(out_dtype, direction)
+    with reference_kernels():
+        reference = q.dequantize(out_dtype, direction)
+    assert torch.equal(torch.isnan(fast), torch.isnan(reference))
+    assert torch.equal(fast.nan_to_num(0.0), reference.nan_to_num(0.0))
+    storage = getattr(q, direction)
+    fast_values, fast_scale = storage.bf16_operand()
+    with reference_kernels():
+        reference_values, reference_scale = storage.bf16_operand()
+    assert torch.equal(torch.isnan(fast_values), torch.isnan(reference_values))
+    assert torch.equal(fast_values.nan_to_num(0.0), reference_values.nan_to_num(0.0))
+    assert torch.equal(fast_scale, reference_scale)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["blocks", "tiles", "rht"])
+def test_nvfp4_gemms_on_bf16_tensor_cores_agree_with_the_reference(name, out_dtype):
+    """wgrad of two transformed copies runs in the transformed domain (the transform cancels)."""
+    gradient = lambda: qtensor.NVFP4Quantizer(rht=name == "rht", stochastic_rounding=True)
+    weight = qtensor.NVFP4Quantizer if name == "rht" else None  # dgrad's W copy must not carry it
+    check_the_three_gemms(NV_QUANTIZERS[name], gradient, "dequantized_bf16_mm", out_dtype, FP32_ACCUMULATION, weight)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_gemms_on_bf16_tensor_cores_agree_with_the_reference(out_dtype):
+    """mxfp8_fwd_nvfp4_bwd's operands: MXFP8 × MXFP8 forward, NVFP4 × NVFP4 backward; and Float8 × NVFP4."""
+    hybrid_input = lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(rht=True))
+    hybrid_weight = lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer())
+    gradient = lambda: qtensor.NVFP4Quantizer(rht=True, stochastic_rounding=True)
+    check_the_three_gemms(hybrid_input, gradient, "dequantized_bf16_mm", out_dtype, FP32_ACCUMULATION, hybrid_weight)
+    float8_nvfp4 = lambda: qtensor.HybridQuantizer(qtensor.Float8Quantizer(), qtensor.NVFP4Quantizer())
+    check_the_three_gemms(qtensor.MXFP8Quantizer, float8_nvfp4, "dequantized_bf16_mm", out_dtype, FP32_ACCUMULATION)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaled_gemm_epilogue_kernel_is_bitwise_the_reference(out_dtype, with_bias):
+    product = varied(130, 96, 5) * 1e3
+    scale = torch.tensor(3.7e-5, device="cuda")
+    bias = varied(1, 96, 6)[0].to(torch.bfloat16) if with_bias else None
+    fast = lookup("gemm.scale_output", product)(product, scale, bias, out_dtype)
+    reference = gemm._scale_and_finish(product, scale, bias, out_dtype)
+    assert torch.equal(fast, reference)
+
+
+@pytest.mark.parametrize("rht", [False, True])
+def test_nvfp4_amaxes_kernel_is_the_reference(rht):
+    x = hard_input(100, 72, torch.bfloat16)
+    from qtensor.formats.nvfp4 import apply_rht
+    from qtensor.numerics import finite_amax, pad_to_multiple
+
+    plain, transformed = lookup("nvfp4.amaxes", x)(x)
+    with reference_kernels():
+        assert torch.equal(plain, finite_amax(x.float()))
+        assert torch.equal(transformed, finite_amax(apply_rht(pad_to_multiple(x.float().t(), 16, dim=1))))

@@ -80,6 +80,10 @@ class Float8Storage(Storage):
         values = kernel(self.data, self.scale_inv, dtype)  # the fp32 product, rounded once
         return values if self.direction == "rowwise" else values.t()
 
+    def bf16_operand(self):
+        # The codes themselves (E4M3 and E5M2 are exact in bf16), the tensor scale applied to the result.
+        return self.data.to(torch.bfloat16), self.scale_inv
+
     def to_direction(self, direction: str) -> "Float8Storage":
         if direction == self.direction:
             return self

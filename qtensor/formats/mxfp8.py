@@ -94,6 +94,11 @@ class MXFP8Storage(Storage):
             return super().dequantize_as(dtype)
         return kernel(self.data, self.scale_inv, self.direction == "rowwise", dtype)  # the fp32 product, rounded once
 
+    def bf16_operand(self):
+        # E4M3/E5M2 codes times a power of two: exact in bf16 at or above 2**-126 (tested).
+        values = self.dequantize_as(torch.bfloat16)
+        return (values if self.direction == "rowwise" else values.t()), None
+
 
 class MXFP8Tensor(QuantizedTensor):
     """A tensor stored as FP8 codes with one E8M0 scale per 32-element block."""

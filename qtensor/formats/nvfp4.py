@@ -11,9 +11,11 @@ from ..numerics import (
     tensor_amax,
     fp32,
     pad_to_multiple,
+    reduce_amax,
     scale_from_amax,
     to_fp8_saturating,
 )
+from ..kernels import lookup
 from ..quantizer import Quantizer
 from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
@@ -51,17 +53,24 @@ def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     return scale_from_amax(global_amax, 448.0 * E2M1_MAX)
 
 
+def _sign_bit(v: torch.Tensor) -> torch.Tensor:
+    """Bit 3 of an E2M1 code: v's sign (-0 included), never a NaN's, whose sign differs between
+    devices: the bytes of a block that dequantizes to NaN must not depend on the device."""
+    return ((torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3)
+
+
 def e2m1_codes_nearest(v: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (sign in bit 3) of fp32 `v`, round-to-nearest-even, saturating at ±6."""
     magnitude = v.abs()
     codes = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for bound, tie_goes_up in _NEAREST_BOUNDS:
         codes += (magnitude >= bound) if tie_goes_up else (magnitude > bound)
-    return codes | (torch.signbit(v).to(torch.uint8) << 3)
+    return codes | _sign_bit(v)
 
 
-def e2m1_codes_stochastic(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """E2M1 codes rounding |v| up to the next grid value with probability equal to the distance."""
+def e2m1_codes_stochastic(v: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes rounding |v| up to the next grid value when its uniform draw in [0, 1) is below the
+    distance to it (in grid steps), down otherwise: unbiased, saturating at ±6."""
     grid = e2m1_grid(v.device)
     magnitude = v.abs().clamp(max=E2M1_MAX)
     lower = torch.zeros(v.shape, dtype=torch.long, device=v.device)
@@ -70,9 +79,44 @@ def e2m1_codes_stochastic(v: torch.Tensor, generator: torch.Generator | None) ->
     upper = (lower + 1).clamp(max=7)
     gap = grid[upper] - grid[lower]
     probability_up = torch.where(gap > 0, (magnitude - grid[lower]) / gap, 0.0)
-    draws = torch.rand(v.shape, generator=generator, device=v.device)
     codes = (lower + (draws < probability_up).long()).to(torch.uint8)
-    return codes | (torch.signbit(v).to(torch.uint8) << 3)
+    return codes | _sign_bit(v)
+
+
+# ---- stochastic rounding's random draws -----------------------------------------------------------
+# Counter-based, so the CUDA kernel and this reference draw the same numbers: a cast takes two 32-bit
+# keys per direction from torch's generator (`draw_keys`, on the tensor's device: no host sync), and
+# element i (row-major) of the matrix quantized along its rows draws
+#     u = (mix(mix(lo(i) ^ k0) ^ hi(i) ^ k1) >> 8) * 2**-24,
+# mix being a 32-bit xor-shift-multiply finaliser (a bijection, so no two elements of one 2**32 run
+# share a draw). A seed, through torch.manual_seed or the quantizer's own generator, reproduces a cast.
+_MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+_LOW32 = 0xFFFFFFFF
+
+
+def draw_keys(generator: torch.Generator | None, device) -> torch.Tensor:
+    """Four 32-bit keys (int64): k0, k1 of the rowwise copy, then those of the columnwise copy."""
+    return torch.randint(0, 2**32, (4,), generator=generator, device=device, dtype=torch.int64)
+
+
+def _times_mod_2_32(h: torch.Tensor, multiplier: int) -> torch.Tensor:
+    """(h * multiplier) mod 2**32 in int64 without overflow, by 16-bit halves of the multiplier."""
+    low, high = multiplier & 0xFFFF, multiplier >> 16
+    return (h * low + (((h * high) & 0xFFFF) << 16)) & _LOW32
+
+
+def mix32(h: torch.Tensor) -> torch.Tensor:
+    """The 32-bit finaliser of the draws, on int64 holding values in [0, 2**32)."""
+    h = _times_mod_2_32(h ^ (h >> 16), _MIX_MULTIPLIERS[0])
+    h = _times_mod_2_32(h ^ (h >> 15), _MIX_MULTIPLIERS[1])
+    return h ^ (h >> 15)
+
+
+def uniform_draws(keys: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """fp32 draws in [0, 1), multiples of 2**-24, for the [rows, cols] matrix under `keys` (k0, k1)."""
+    index = torch.arange(rows * cols, device=keys.device, dtype=torch.int64).reshape(rows, cols)
+    bits = mix32(mix32((index & _LOW32) ^ keys[0]) ^ (index >> 32) ^ keys[1])
+    return (bits >> 8).float() * 2.0**-24
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -92,8 +136,9 @@ def unpack_nibbles(packed: torch.Tensor, columns: int) -> torch.Tensor:
     return codes.reshape(packed.shape[0], 2 * packed.shape[1])[:, :columns]
 
 
-def quantize_row_blocks(x, s_enc, amax_per_block, generator=None, stochastic=False):
-    """fp32 `x` [R, C] in blocks of 16 along rows, given each block's amax [R, ceil(C/16)].
+def quantize_row_blocks(x, s_enc, amax_per_block, keys=None):
+    """fp32 `x` [R, C] in blocks of 16 along rows, given each block's amax [R, ceil(C/16)]; with
+    `keys` (k0, k1), the elements round stochastically (`uniform_draws`).
 
     Returns (packed E2M1 bytes [R, ceil(C/2)], E4M3 block scales [R, ceil(C/16)]).
     """
@@ -103,7 +148,7 @@ def quantize_row_blocks(x, s_enc, amax_per_block, generator=None, stochastic=Fal
     decode = block_scale.float() * (fp32(1.0, x.device) / s_enc)
     encode = (fp32(1.0, x.device) / decode).clamp(max=FLT_MAX)
     scaled = x * expand_blocks(encode, BLOCK_SIZE, x.shape[1])
-    codes = e2m1_codes_stochastic(scaled, generator) if stochastic else e2m1_codes_nearest(scaled)
+    codes = e2m1_codes_nearest(scaled) if keys is None else e2m1_codes_stochastic(scaled, uniform_draws(keys, *x.shape))
     return pack_nibbles(codes), block_scale
 
 
@@ -179,16 +224,43 @@ class NVFP4Storage(Storage):
             amax,
         )
 
-    def dequantize(self) -> torch.Tensor:
-        s_enc = encode_scale(self.global_amax)
+    def stored_length(self) -> int:
+        """Elements per row of the stored matrix: cols (rowwise), rows, or rows padded to whole runs
+        of 16 (columnwise with `rht`)."""
         if self.direction == "rowwise":
-            return dequantize_row_blocks(self.data, self.scale_inv, s_enc, self.cols)
-        stored_rows = 2 * self.data.shape[1] if self.rht else self.rows
-        values = dequantize_row_blocks(self.data, self.scale_inv, s_enc, stored_rows)
+            return self.cols
+        return 2 * self.data.shape[1] if self.rht else self.rows
+
+    def dequantize(self) -> torch.Tensor:
+        length = self.stored_length()
+        kernel = lookup("nvfp4.dequantize", self.data)
+        if kernel is not None:
+            values = kernel(self.data, self.scale_inv, length, torch.float32, self.global_amax)
+        else:
+            values = dequantize_row_blocks(self.data, self.scale_inv, encode_scale(self.global_amax), length)
+        if self.direction == "rowwise":
+            return values
         if self.rht:
             values = undo_rht(values)
         return values[:, : self.rows].t()
 
+    def bf16_operand(self):
+        # q * float(s): an E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
+        # [2**-10, 2688], exact in bf16; the fp32 tensor scale 1/S_enc is not, so the GEMM's fp32
+        # result takes it. A columnwise copy with `rht` stays in the transformed domain: the other
+        # operand must be transformed too (DESIGN.md §2: wgrad applies it to both, so it cancels).
+        length = self.stored_length()
+        kernel = lookup("nvfp4.dequantize", self.data)
+        if kernel is not None:
+            values = kernel(self.data, self.scale_inv, length, torch.bfloat16)
+        else:
+            q = e2m1_values(unpack_nibbles(self.data, length))
+            values = (q * expand_blocks(self.scale_inv.float(), BLOCK_SIZE, length)).to(torch.bfloat16)
+        return values, self.tensor_scale_inv()
+
+    def tensor_scale_inv(self) -> torch.Tensor:
+        """1/S_enc (0-d fp32), the factor the dequantized value takes after q * float(s)."""
+        return fp32(1.0, self.data.device) / encode_scale(self.global_amax)
 
 class NVFP4Tensor(QuantizedTensor):
     """A tensor stored as packed E2M1 codes with E4M3 block scales and an fp32 tensor scale."""
@@ -231,22 +303,27 @@ class NVFP4Quantizer(Quantizer):
         return self._generators[device]
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
-        x = x.float()
         rows, cols = x.shape
         # Quantized zeros (update_state=False) draw no random numbers: the generator stays put.
-        stochastic = self.stochastic_rounding and update_state
-        generator = self._generator(x.device) if stochastic else None
+        keys = None
+        if self.stochastic_rounding and update_state:
+            keys = draw_keys(self._generator(x.device), x.device)
+        common = dict(rows=rows, cols=cols, rht=self.rht)
+        make = lambda direction, pair, amax: NVFP4Storage(direction=direction, **common, data=pair[0], scale_inv=pair[1], global_amax=amax)
+        kernel = lookup("nvfp4.cast", x)
+        if kernel is not None:  # both directions from one read of each tile, after one read for the amaxes
+            global_amax, column_amax = self._amaxes(x, columnwise)
+            row, col = kernel(x, global_amax, column_amax, keys, rowwise, columnwise, self.block_2d, self.rht)
+            return (make("rowwise", row, global_amax) if rowwise else None, make("columnwise", col, column_amax) if columnwise else None)
+        x = x.float()
         global_amax = tensor_amax(x)
         s_enc = encode_scale(global_amax)
         tiles = tile_amax(x) if self.block_2d else None
-        common = dict(rows=rows, cols=cols, rht=self.rht)
         rowwise_storage = columnwise_storage = None
         if rowwise:
             amax = tiles.repeat_interleave(BLOCK_SIZE, 0)[:rows] if self.block_2d else block_amax(x, BLOCK_SIZE)
-            data, scale_inv = quantize_row_blocks(x, s_enc, amax, generator, stochastic)
-            rowwise_storage = NVFP4Storage(
-                direction="rowwise", **common, data=data, scale_inv=scale_inv, global_amax=global_amax
-            )
+            row_keys = None if keys is None else keys[:2]
+            rowwise_storage = make("rowwise", quantize_row_blocks(x, s_enc, amax, row_keys), global_amax)
         if columnwise:
             x_t = x.t()
             column_amax, column_s_enc = global_amax, s_enc
@@ -258,9 +335,15 @@ class NVFP4Quantizer(Quantizer):
                 amax = tiles.t().repeat_interleave(BLOCK_SIZE, 0)[:cols]
             else:
                 amax = block_amax(x_t, BLOCK_SIZE)
-            data, scale_inv = quantize_row_blocks(x_t, column_s_enc, amax, generator, stochastic)
-            columnwise_storage = NVFP4Storage(
-                direction="columnwise", **common, data=data, scale_inv=scale_inv, global_amax=column_amax
-            )
+            column_keys = None if keys is None else keys[2:]
+            columnwise_storage = make("columnwise", quantize_row_blocks(x_t, column_s_enc, amax, column_keys), column_amax)
         return rowwise_storage, columnwise_storage
 
+    def _amaxes(self, x, columnwise):
+        """The global amax of `x` and that of the columnwise copy (of the transformed values with `rht`),
+        each reduced over the shards' ranks inside `reduce_amax_over`."""
+        if not (self.rht and columnwise):
+            global_amax = tensor_amax(x)
+            return global_amax, global_amax
+        plain, transformed = lookup("nvfp4.amaxes", x)(x)
+        return reduce_amax(plain), reduce_amax(transformed)
