@@ -1,4 +1,4 @@
-"""Float8 training speed on one GPU, in one run: a linear layer, the cast kernels, a stack of
+"""Training speed of every recipe on one GPU, in one run: a linear layer, the cast kernels, a stack of
 Llama-3-8B-shaped decoder blocks.
 
     python benchmarks/bench_linear.py [--recipes ...] [--blocks N] [--skip-stack]
@@ -29,7 +29,7 @@ import qtensor
 from timing import back_to_back_ms, median_ms, varied
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 4096), (8192, 4096, 14336), (4096, 2048, 2048)]
-QTENSOR_RECIPES = "float8_current,float8_delayed"
+QTENSOR_RECIPES = "float8_current,float8_delayed,mxfp8,nvfp4,mxfp8_fwd_nvfp4_bwd"
 
 
 def torchao_float8():
@@ -74,11 +74,11 @@ def linear_ms(system, m, k, n):
     return median_ms(step, repeats=10, overlapped=True)
 
 
-def linear_table(systems):
+def linear_table(systems, shapes):
     print(f"\n1. One linear layer, forward+backward (ms; speed-up = bf16 eager ms / ms)")
     header = f"{'M x K x N':<20}" + "".join(f"{s:>{max(len(s), 10) + 2}}" for s in systems)
     print(header)
-    for m, k, n in SHAPES:
+    for m, k, n in shapes:
         times = {system: linear_ms(system, m, k, n) for system in systems}
         base = times["bf16"]
         line = f"{f'{m}x{k}x{n}':<20}"
@@ -163,9 +163,13 @@ def stack_step_stats(recipe, blocks, sequence, steps=6):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     x = torch.randn(1, sequence, 4096, device="cuda")
 
+    held = []
+
     def step():
+        before = torch.cuda.memory_allocated()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x).float().square().mean()
+        held.append(torch.cuda.memory_allocated() - before)  # what the forward left for backward
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -183,17 +187,18 @@ def stack_step_stats(recipe, blocks, sequence, steps=6):
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model, optimizer
     torch.cuda.empty_cache()
-    return sequence / statistics.median(times), peak
+    return sequence / statistics.median(times), peak, held[-1] / 2**30
 
 
 def stack_table(recipes, blocks, sequence):
     print(f"\n3. Training step of {blocks} Llama-3-8B-shaped blocks, 1 x {sequence} tokens, bf16 autocast, AdamW (fused)")
-    print(f"{'recipe':<20}{'tokens/s':>12}{'x bf16':>9}{'peak GiB':>11}")
+    print("   (held after forward: what the forward leaves allocated for backward, the weight casts included)")
+    print(f"{'recipe':<22}{'tokens/s':>12}{'x bf16':>9}{'peak GiB':>11}{'held after forward GiB':>25}")
     base = None
     for recipe in ["bf16", *recipes]:
-        tokens, peak = stack_step_stats(recipe, blocks, sequence)
+        tokens, peak, held = stack_step_stats(recipe, blocks, sequence)
         base = base or tokens
-        print(f"{recipe:<20}{tokens:>12.0f}{tokens / base:>9.2f}{peak:>11.1f}", flush=True)
+        print(f"{recipe:<22}{tokens:>12.0f}{tokens / base:>9.2f}{peak:>11.1f}{held:>25.2f}", flush=True)
 
 
 def main():
@@ -203,6 +208,7 @@ def main():
     parser.add_argument("--sequence", type=int, default=4096)
     parser.add_argument("--skip-stack", action="store_true")
     parser.add_argument("--skip-linear", action="store_true")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="run the first N layer shapes")
     args = parser.parse_args()
     recipes = args.recipes.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", end="")
@@ -215,7 +221,7 @@ def main():
     else:
         print(" (torchao not installed: its columns are left out)")
     if not args.skip_linear:
-        linear_table(systems)
+        linear_table(systems, SHAPES[: args.shapes])
     kernel_table()
     if not args.skip_stack:
         stack_table(recipes, args.blocks, args.sequence)

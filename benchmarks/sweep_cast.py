@@ -1,6 +1,6 @@
 """Tile sizes of the Float8 cast kernel, and the bandwidth of each Float8 kernel alone.
 
-    python benchmarks/sweep_cast.py [--mxfp8]
+    python benchmarks/sweep_cast.py [--mxfp8 | --nvfp4]
 
 Each kernel is launched back to back (its host-side launch is shorter than the kernel, so the GPU
 never waits) and timed with CUDA events; bandwidth counts each input byte read once and each
@@ -32,6 +32,31 @@ def sweep_mxfp8(x, line):
             line(f"mxfp8 dequantize {'rowwise' if along_rows else 'columnwise'} to bf16, tile {config}", ms, 3 * n + n // 32)
 
 
+def sweep_nvfp4(x, line):
+    from qtensor_kernels import nvfp4
+
+    n = x.numel()
+    amax = kernels.finite_amax(x)
+    keys = torch.randint(0, 2**32, (4,), device="cuda")
+    written = n + n // 8  # both directions: packed codes and E4M3 scales
+    line("nvfp4 amaxes (plain and transformed), tile (64, 64, 4)", back_to_back_ms(lambda: nvfp4.amaxes(x)), 2 * n)
+    for config in [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (128, 128, 8)]:
+        line(f"nvfp4 amaxes, tile {config}", back_to_back_ms(lambda: nvfp4.amaxes(x, block=config)), 2 * n)
+    variants = {
+        "blocks": dict(keys=None, block_2d=False, rht=False),
+        "tiles": dict(keys=None, block_2d=True, rht=False),
+        "rht + stochastic": dict(keys=keys, block_2d=False, rht=True),
+    }
+    for config in [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (32, 128, 4), (128, 32, 4)]:
+        for name, options in variants.items():
+            ms = back_to_back_ms(lambda: nvfp4.cast(x, amax, amax, rowwise=True, columnwise=True, block=config, **options))
+            line(f"nvfp4 cast both, {name}, tile {config}", ms, 2 * n + written)
+    row, col = nvfp4.cast(x, amax, amax, None, True, True, False, False)
+    for config in [(64, 128, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (128, 256, 8)]:
+        ms = back_to_back_ms(lambda: nvfp4.dequantize(row[0], row[1], x.shape[1], torch.bfloat16, block=config))
+        line(f"nvfp4 dequantize to bf16 (no tensor scale), tile {config}", ms, 2 * n + written // 2)
+
+
 def main():
     x = varied(*SHAPE)
     n = x.numel()
@@ -47,6 +72,8 @@ def main():
 
     if "--mxfp8" in sys.argv:
         return sweep_mxfp8(x, line)
+    if "--nvfp4" in sys.argv:
+        return sweep_nvfp4(x, line)
     for block, programs, warps in [(4096, 512, 8), (8192, 512, 8), (4096, 1024, 8), (2048, 1024, 4), (8192, 256, 8)]:
         kernels._AMAX_BLOCK = block
         partials = torch.empty(programs, device="cuda")

@@ -100,9 +100,10 @@ def _e2m1_stochastic(magnitude, draws):
     lower = (magnitude >= 0.5).to(tl.int32) + (magnitude >= 1.0).to(tl.int32) + (magnitude >= 1.5).to(tl.int32)
     lower += (magnitude >= 2.0).to(tl.int32) + (magnitude >= 3.0).to(tl.int32)
     lower += (magnitude >= 4.0).to(tl.int32) + (magnitude >= 6.0).to(tl.int32)
-    low_value = _e2m1_magnitude(lower)
-    gap = _e2m1_magnitude(tl.minimum(lower + 1, 7)) - low_value
-    probability_up = tl.where(gap > 0.0, tl.div_rn(magnitude - low_value, tl.where(gap > 0.0, gap, 1.0)), 0.0)
+    # The gap to the next grid value is 0.5 (codes 0-3), 1 (4, 5), 2 (6) or none (7): a power of two,
+    # so multiplying by its reciprocal is the reference's division, exactly.
+    inverse_gap = tl.where(lower < 4, 2.0, tl.where(lower < 6, 1.0, 0.5))
+    probability_up = tl.where(lower < 7, (magnitude - _e2m1_magnitude(lower)) * inverse_gap, 0.0)
     return lower + (draws < probability_up).to(tl.int32)
 
 
@@ -128,14 +129,19 @@ def _draws(keys_ptr, rows, cols, row_length):
 
 
 @triton.jit
+def _butterfly(x, R: tl.constexpr, C: tl.constexpr, HALF: tl.constexpr):
+    """One stage of nvfp4.hadamard16: in each group of 2*HALF, (a, b) → (a + b, a - b) for a in
+    the first half and b its partner HALF further on."""
+    pairs = tl.permute(tl.reshape(x, (R, C // (2 * HALF), 2, HALF)), (0, 1, 3, 2))
+    first, second = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(first + second, first - second), (0, 1, 3, 2)), (R, C))
+
+
+@triton.jit
 def _hadamard_runs(x, R: tl.constexpr, C: tl.constexpr):
     """nvfp4.apply_rht on each run of 16 along the last dim of x [R, C]: the Walsh-Hadamard butterfly
     in the reference's order of additions, then * 1/4, the signs, and -0 made +0."""
-    for stage in tl.static_range(4):
-        half: tl.constexpr = 1 << stage
-        pairs = tl.permute(tl.reshape(x, (R, C // (2 * half), 2, half)), (0, 1, 3, 2))
-        first, second = tl.split(pairs)
-        x = tl.reshape(tl.permute(tl.join(first + second, first - second), (0, 1, 3, 2)), (R, C))
+    x = _butterfly(_butterfly(_butterfly(_butterfly(x, R, C, 1), R, C, 2), R, C, 4), R, C, 8)
     negative = ((tl.full((C,), _SIGNS_NEGATIVE, tl.int32) >> (tl.arange(0, C) % 16)) & 1) == 1
     x = x * 0.25
     x = tl.where(negative[None, :], -x, x)
@@ -143,23 +149,30 @@ def _hadamard_runs(x, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _quantize_blocks(x, amax, s_enc, keys_ptr, rows, cols, row_length, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """nvfp4.quantize_row_blocks of the fp32 tile x [R, C] given its block amaxes [R, C/16]: the packed
-    codes [R, C/2] (element 2i in the low nibble) and the E4M3 scale codes [R, C/16]."""
+def _quantize_blocks(x, amax, s_enc, keys_ptr, rows, cols, row_length, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, WORDS: tl.constexpr):
+    """nvfp4.quantize_row_blocks of the fp32 tile x [R, C] given its block amaxes [R, C/16]: the E2M1
+    codes, packed two per byte (element 2i in the low nibble), as one 64-bit word per block [R, C/16]
+    (WORDS) or as bytes [R, C/2]; and the E4M3 scale codes [R, C/16]."""
     wanted = amax * (s_enc * _ONE_SIXTH)
     scale, scale_code = _e4m3_saturating(tl.where(amax < float("inf"), wanted, float("nan")))  # NaN/Inf blocks: NaN
     decode = scale * tl.div_rn(_like(1.0, s_enc), s_enc)
     encode = tl.div_rn(_like(1.0, decode), decode)
     encode = tl.where(encode > _FLT_MAX, _FLT_MAX, encode)
-    scaled = tl.reshape(tl.reshape(x, (R, C // 16, 16)) * encode[:, :, None], (R, C))
+    scaled = tl.reshape(x, (R, C // 16, 16)) * encode[:, :, None]
     magnitude = tl.abs(scaled)
     if STOCHASTIC:
-        codes = _e2m1_stochastic(magnitude, _draws(keys_ptr, rows, cols, row_length))
+        draws = tl.reshape(_draws(keys_ptr, rows, cols, row_length), (R, C // 16, 16))
+        codes = _e2m1_stochastic(magnitude, draws)
     else:
         codes = _e2m1_nearest(magnitude)
     codes = codes | (((scaled.to(tl.int32, bitcast=True) >> 31) & (scaled == scaled).to(tl.int32)) << 3)  # _sign_bit
-    low, high = tl.split(tl.reshape(codes, (R, C // 2, 2)))
-    return (low | (high << 4)).to(tl.uint8), scale_code.to(tl.uint8)
+    if WORDS:  # the block's 16 nibbles in one word: disjoint bit fields, so the sum is their OR
+        shifts = (tl.arange(0, 16) * 4).to(tl.int64)
+        packed = tl.sum(codes.to(tl.int64) << shifts[None, None, :], axis=2)
+    else:
+        low, high = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+        packed = (low | (high << 4)).to(tl.uint8)
+    return packed, scale_code.to(tl.uint8)
 
 
 @triton.jit
@@ -180,7 +193,7 @@ def _cast_kernel(
     x_ptr, M, N, stride_m, row_amax_ptr, col_amax_ptr, keys_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, col_length,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
-    STOCHASTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STOCHASTIC: tl.constexpr, ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,8 +207,8 @@ def _cast_kernel(
         else:
             amax = _block_amax(tl.reshape(tl.abs(x), (BLOCK_M, BLOCK_N // 16, 16)), 2)
         s_enc = _encode_scale(tl.load(row_amax_ptr))
-        packed, scales = _quantize_blocks(x, amax, s_enc, keys_ptr, offs_m, offs_n, N, BLOCK_M, BLOCK_N, STOCHASTIC)
-        _store_rows(row_data_ptr, row_scale_ptr, packed, scales, offs_m, tl.program_id(1), M, N, BLOCK_M, BLOCK_N)
+        packed, scales = _quantize_blocks(x, amax, s_enc, keys_ptr, offs_m, offs_n, N, BLOCK_M, BLOCK_N, STOCHASTIC, ROW_WORDS)
+        _store_rows(row_data_ptr, row_scale_ptr, packed, scales, offs_m, tl.program_id(1), M, N, BLOCK_M, BLOCK_N, ROW_WORDS)
     if COLUMNWISE:  # the transposed tile, blocks of 16 down each column of x
         xt = tl.trans(x)
         if RHT:
@@ -205,23 +218,33 @@ def _cast_kernel(
         else:
             amax = _block_amax(tl.reshape(tl.abs(xt), (BLOCK_N, BLOCK_M // 16, 16)), 2)
         s_enc = _encode_scale(tl.load(col_amax_ptr))
-        packed, scales = _quantize_blocks(xt, amax, s_enc, keys_ptr + 2, offs_n, offs_m, col_length, BLOCK_N, BLOCK_M, STOCHASTIC)
-        _store_rows(col_data_ptr, col_scale_ptr, packed, scales, offs_n, tl.program_id(0), N, col_length, BLOCK_N, BLOCK_M)
+        packed, scales = _quantize_blocks(xt, amax, s_enc, keys_ptr + 2, offs_n, offs_m, col_length, BLOCK_N, BLOCK_M, STOCHASTIC, COL_WORDS)
+        _store_rows(col_data_ptr, col_scale_ptr, packed, scales, offs_n, tl.program_id(0), N, col_length, BLOCK_N, BLOCK_M, COL_WORDS)
 
 
 @triton.jit
-def _store_rows(data_ptr, scale_ptr, packed, scales, rows, column_program, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Store a tile's packed codes into data [R, ceil(C/2)] and its scales into scale [R, ceil(C/16)]."""
+def _store_rows(data_ptr, scale_ptr, packed, scales, rows, column_program, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr):
+    """Store a tile's packed codes into data [R, ceil(C/2)] (as words [R, C/16] with WORDS) and its
+    scales into scale [R, ceil(C/16)]."""
     row_bytes, row_blocks = tl.cdiv(C, 2), tl.cdiv(C, 16)
-    byte_cols = column_program * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
-    tl.store(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], packed, mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes))
     block_cols = column_program * (BLOCK_C // 16) + tl.arange(0, BLOCK_C // 16)
-    tl.store(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], scales, mask=(rows[:, None] < R) & (block_cols[None, :] < row_blocks))
+    block_mask = (rows[:, None] < R) & (block_cols[None, :] < row_blocks)
+    if WORDS:
+        tl.store(data_ptr + rows[:, None] * row_blocks + block_cols[None, :], packed, mask=block_mask)
+    else:
+        byte_cols = column_program * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
+        tl.store(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], packed, mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes))
+    tl.store(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], scales, mask=block_mask)
 
 
 # (BLOCK_M, BLOCK_N, warps) of the cast and the dequantize.
 _CAST_TILE = (64, 64, 4)
 _DEQUANTIZE_TILE = (64, 128, 4)
+
+
+def _as_words(pair, length):
+    """(data, scales) with the data viewed as one int64 word per block where rows hold whole blocks."""
+    return (pair[0].view(torch.int64) if length % 16 == 0 else pair[0]), pair[1]
 
 
 def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, block=None):
@@ -241,8 +264,9 @@ def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, 
         some = row or col
         _cast_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
             x, M, N, x.stride(0), global_amax, column_amax, keys if keys is not None else global_amax,
-            *(row or some), *(col or some), col_length,
+            *_as_words(row or some, N), *_as_words(col or some, col_length), col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
+            ROW_WORDS=N % 16 == 0, COL_WORDS=col_length % 16 == 0,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
         )
     as_scales = lambda pair: None if pair is None else (pair[0], pair[1].view(torch.float8_e4m3fn))
@@ -279,16 +303,22 @@ def amaxes(x: torch.Tensor, block=(64, 64, 4)):
 
 
 @triton.jit
-def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCALE: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_bytes, row_blocks = tl.cdiv(C, 2), tl.cdiv(C, 16)
     byte_cols = tl.program_id(1) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
-    packed = tl.load(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes), other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_C))
+    block_cols = tl.program_id(1) * (BLOCK_C // 16) + tl.arange(0, BLOCK_C // 16)
+    block_mask = (rows[:, None] < R) & (block_cols[None, :] < row_blocks)
+    if WORDS:  # one 64-bit word per block: nibble j is element j
+        words = tl.load(data_ptr + rows[:, None] * row_blocks + block_cols[None, :], mask=block_mask, other=0)
+        shifts = (tl.arange(0, 16) * 4).to(tl.int64)
+        codes = tl.reshape(((words[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.int32), (BLOCK_R, BLOCK_C))
+    else:
+        packed = tl.load(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes), other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_C))
     magnitude = _e2m1_magnitude(codes & 7)
     q = tl.where((codes & 8) != 0, -magnitude, magnitude)
-    block_cols = tl.program_id(1) * (BLOCK_C // 16) + tl.arange(0, BLOCK_C // 16)
-    scale_codes = tl.load(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], mask=(rows[:, None] < R) & (block_cols[None, :] < row_blocks), other=0)
+    scale_codes = tl.load(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], mask=block_mask, other=0)
     scale = _e4m3_value(scale_codes.to(tl.int32))
     values = tl.reshape(tl.reshape(q, (BLOCK_R, BLOCK_C // 16, 16)) * scale[:, :, None], (BLOCK_R, BLOCK_C))
     if TENSOR_SCALE:
@@ -307,7 +337,7 @@ def dequantize(data, scale_inv, length: int, out_dtype: torch.dtype, global_amax
     block_r, block_c, warps = block or _DEQUANTIZE_TILE
     if R and length:
         _dequantize_kernel[(triton.cdiv(R, block_r), triton.cdiv(length, block_c))](
-            data.contiguous(), scale_inv.contiguous().view(torch.uint8), global_amax if global_amax is not None else data, out, R, length,
-            TENSOR_SCALE=global_amax is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False,
+            _as_words((data.contiguous(), None), length)[0], scale_inv.contiguous().view(torch.uint8), global_amax if global_amax is not None else data, out, R, length,
+            TENSOR_SCALE=global_amax is not None, WORDS=length % 16 == 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False,
         )
     return out
