@@ -532,7 +532,9 @@ class DynamicWeight(torch.Tensor):
     def quantized(self, *, columnwise: bool, cached: bool = True) -> QuantizedTensor:
         """The values quantized with the layer's weight quantizer (rowwise, plus columnwise when
         asked), from the cache while the values and the quantizer's running state are unchanged:
-        the micro-batches of one optimizer step share one cast (delayed scaling records one amax).
+        the micro-batches of one optimizer step share the cast of the second (the first cast is
+        not kept, so a step without gradient accumulation holds no weight cast past its backward;
+        delayed scaling records two amaxes per step).
         `cached=False` casts afresh and leaves the cache alone (the linear passes it for inference
         forwards, which cast as a model restored from a checkpoint would)."""
         linear = self.linear_quantizers
@@ -544,18 +546,19 @@ class DynamicWeight(torch.Tensor):
         # Aliases share one log: pieces of one weight (cross-attention's q, k, v rows of a packed
         # in_proj_weight) are told apart by where their values lie.
         piece = (self._data.data_ptr(), tuple(self._data.shape), self._data.stride(), linear.transposed)
-        cached = self._writes.quantized.get(piece)
-        if (
-            cached is not None
-            and cached[0] == (self.values_version(), quantizer.state_version())
-            and cached[1] is quantizer
-            and (cached[2].has_columnwise or not columnwise)
-        ):
-            return cached[2]
+        seen = self._writes.quantized.get(piece)
+        same_values = seen is not None and seen[0] == (self.values_version(), quantizer.state_version()) and seen[1] is quantizer
+        if same_values and seen[2] is not None and (seen[2].has_columnwise or not columnwise):
+            return seen[2]
         quantized = quantizer.quantize(values, rowwise=True, columnwise=columnwise)
+        if torch._C._current_graph_task_id() != -1:
+            return quantized  # activation recomputation repeats a forward: it is not another micro-batch
+        # The first cast of these values is only noted: kept, it would stay allocated through the
+        # backward and the optimizer step, where a step without gradient accumulation never reads
+        # it again. A second forward over the same values shows micro-batches: that cast is kept.
         # Keyed on the quantizer's state after this cast: a delayed-scaling history written since
         # (a load) makes the next use cast again.
-        self._writes.quantized[piece] = ((self.values_version(), quantizer.state_version()), quantizer, quantized)
+        self._writes.quantized[piece] = ((self.values_version(), quantizer.state_version()), quantizer, quantized if same_values else None)
         return quantized
 
     # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap).
@@ -657,13 +660,14 @@ class DynamicWeight(torch.Tensor):
 
 class _WriteLog:
     """Shared by a DynamicWeight and its aliases: how many in-place writes went through any of them,
-    and the quantized copy of the values (dropped at the first write, so it never outlives them)."""
+    and the last cast of the values with the quantized copy kept from the second cast on (dropped at
+    the first write, so it never outlives them)."""
 
     __slots__ = ("count", "quantized")
 
     def __init__(self):
         self.count = 0
-        self.quantized: dict[tuple, tuple] = {}  # piece → (values version, quantizer, quantized tensor)
+        self.quantized: dict[tuple, tuple] = {}  # piece → (values version, quantizer, quantized tensor or None)
 
     def record_write(self) -> None:
         self.count += 1

@@ -237,9 +237,11 @@ def _store_rows(data_ptr, scale_ptr, packed, scales, rows, column_program, R, C,
     tl.store(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], scales, mask=block_mask)
 
 
-# (BLOCK_M, BLOCK_N, warps) of the cast and the dequantize.
-_CAST_TILE = (64, 64, 4)
-_DEQUANTIZE_TILE = (64, 128, 4)
+# (BLOCK_M, BLOCK_N, warps) of the cast (by whether it transforms) and of the dequantize: the fastest
+# of benchmarks/sweep_cast.py --nvfp4 on an H200 at 8192x8192 bf16.
+_CAST_TILE = {False: (64, 32, 4), True: (64, 64, 8)}
+_DEQUANTIZE_TILE = (32, 256, 4)
+_AMAXES_TILE = (32, 64, 4)
 
 
 def _as_words(pair, length):
@@ -260,11 +262,11 @@ def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, 
     row = new(M, N) if rowwise else None
     col = new(N, col_length) if columnwise else None
     if M and N:
-        block_m, block_n, warps = block or _CAST_TILE
+        block_m, block_n, warps = block or _CAST_TILE[rht and columnwise]
         some = row or col
         _cast_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
             x, M, N, x.stride(0), global_amax, column_amax, keys if keys is not None else global_amax,
-            *_as_words(row or some, N), *_as_words(col or some, col_length), col_length,
+            *(_as_words(row, N) if row else some), *(_as_words(col, col_length) if col else some), col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
             ROW_WORDS=N % 16 == 0, COL_WORDS=col_length % 16 == 0,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
@@ -288,7 +290,7 @@ def _amaxes_kernel(x_ptr, M, N, stride_m, partials_ptr, BLOCK_M: tl.constexpr, B
     tl.store(partials_ptr + programs + program, tl.max(tl.max(tl.where(transformed < float("inf"), transformed, 0.0), axis=1), axis=0))
 
 
-def amaxes(x: torch.Tensor, block=(64, 64, 4)):
+def amaxes(x: torch.Tensor, block=_AMAXES_TILE):
     """(finite amax of x, finite amax of its transformed columnwise copy), 0-d fp32 each."""
     M, N = x.shape
     if x.stride(1) != 1:

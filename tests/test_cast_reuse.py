@@ -41,7 +41,9 @@ def micro_batches(step, n=4):
 
 
 @pytest.mark.parametrize("recipe", STATELESS_RECIPES + ["float8_delayed"])
-def test_gradient_accumulation_casts_each_weight_once_per_optimizer_step(recipe):
+def test_gradient_accumulation_casts_each_weight_twice_per_optimizer_step(recipe):
+    """The first micro-batch's cast is not kept (nothing is held past a step without accumulation);
+    the second's is, and serves the third and fourth."""
     model = two_layers(recipe)
     counts = count_weight_casts(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -50,10 +52,17 @@ def test_gradient_accumulation_casts_each_weight_once_per_optimizer_step(recipe)
             model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-        assert counts == [step + 1, step + 1]
-    if recipe == "float8_delayed":  # one recorded amax per step in each weight's history
+        assert counts == [2 * (step + 1)] * 2
+    if recipe == "float8_delayed":  # two recorded amaxes per step in each weight's history
         history = model[0].weight.linear_quantizers.weight.amax_history
-        assert int((history >= 0).sum()) == 3
+        assert int((history >= 0).sum()) == 6
+
+
+def test_a_step_without_accumulation_holds_no_weight_cast_after_backward():
+    model = two_layers("mxfp8")
+    model(torch.randn(8, 64)).square().mean().backward()
+    for layer in (model[0], model[2]):
+        assert all(entry[2] is None for entry in layer.weight._writes.quantized.values())
 
 
 @pytest.mark.parametrize("recipe", STATELESS_RECIPES)
@@ -105,7 +114,9 @@ WRITES = {
 def test_a_cached_cast_is_never_read_after_the_values_change(write):
     model = two_layers("float8_current")
     x = torch.randn(8, 64)
-    before = model(x)  # a training forward: the cast is cached
+    model(x)
+    before = model(x)  # the second training forward over the same values: its cast is kept
+    assert model[0].weight._writes.quantized and all(entry[2] is not None for entry in model[0].weight._writes.quantized.values())
     WRITES[write](model)
     after = model(x)
     fresh = copy.deepcopy(model)  # same values, no cache
@@ -132,10 +143,12 @@ def test_inference_forwards_do_not_use_the_training_cast():
     x = torch.randn(8, 64)
     model(x)
     model(x)
+    model(x)  # reads the second forward's cast
+    assert counts == [2, 2]
     with torch.no_grad():
         model(x)
         model(x)
-    assert counts == [3, 3]
+    assert counts == [4, 4]
 
 
 # ---- one cast of an input read by several layers -----------------------------------------------
