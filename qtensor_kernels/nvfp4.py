@@ -72,7 +72,7 @@ def _e4m3_value(code):
     exponent = (code >> 3) & 0xF
     mantissa = code & 7
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, (mantissa + 8).to(tl.float32) * _pow2(exponent - 10))
-    value = tl.where((code & 0x80) != 0, -magnitude, magnitude)
+    value = tl.where((code & 0x80) != 0, magnitude * -1.0, magnitude)  # not -x: Triton negates as 0 - x, losing -0
     return tl.where((code & 0x7F) == 0x7F, float("nan"), value)
 
 
@@ -144,7 +144,7 @@ def _hadamard_runs(x, R: tl.constexpr, C: tl.constexpr):
     x = _butterfly(_butterfly(_butterfly(_butterfly(x, R, C, 1), R, C, 2), R, C, 4), R, C, 8)
     negative = ((tl.full((C,), _SIGNS_NEGATIVE, tl.int32) >> (tl.arange(0, C) % 16)) & 1) == 1
     x = x * 0.25
-    x = tl.where(negative[None, :], -x, x)
+    x = tl.where(negative[None, :], x * -1.0, x)
     return tl.where(x == 0.0, 0.0, x)
 
 
@@ -319,7 +319,7 @@ def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCAL
         packed = tl.load(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes), other=0).to(tl.int32)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_C))
     magnitude = _e2m1_magnitude(codes & 7)
-    q = tl.where((codes & 8) != 0, -magnitude, magnitude)
+    q = tl.where((codes & 8) != 0, magnitude * -1.0, magnitude)  # -0 for code 8 (not 0 - x)
     scale_codes = tl.load(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], mask=block_mask, other=0)
     scale = _e4m3_value(scale_codes.to(tl.int32))
     values = tl.reshape(tl.reshape(q, (BLOCK_R, BLOCK_C // 16, 16)) * scale[:, :, None], (BLOCK_R, BLOCK_C))
