@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qtensor
-from timing import back_to_back_ms, median_ms, varied
+from timing import back_to_back_ms, copy_bandwidth, median_ms, varied
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 4096), (8192, 4096, 14336), (4096, 2048, 2048)]
 QTENSOR_RECIPES = "float8_current,float8_delayed,mxfp8,nvfp4,mxfp8_fwd_nvfp4_bwd"
@@ -96,8 +96,7 @@ def kernel_table():
 
     x = varied(8192, 8192)
     n = x.numel()
-    copy_ms = back_to_back_ms(lambda: torch.empty_like(x).copy_(x))
-    copy_gbs = 4 * n / copy_ms / 1e6
+    _, copy_gbs = copy_bandwidth(x)
     print(f"\n2. Float8 kernels on a [8192, 8192] bf16 tensor, launched back to back (device copy {copy_gbs:.0f} GB/s)")
     amax = kernels.amax_partials(x)
     scale = torch.ones((), device="cuda")

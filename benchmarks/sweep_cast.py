@@ -12,7 +12,7 @@ import sys
 import torch
 
 from qtensor_kernels import float8 as kernels
-from timing import back_to_back_ms, varied
+from timing import back_to_back_ms, copy_bandwidth, varied
 
 SHAPE = (8192, 8192)
 CONFIGS = [(bm, bn, w) for bm in (64, 128, 256) for bn in (32, 64, 128) for w in (4, 8) if bm * bn <= 16384]
@@ -60,8 +60,7 @@ def sweep_nvfp4(x, line):
 def main():
     x = varied(*SHAPE)
     n = x.numel()
-    copy_ms = back_to_back_ms(lambda: torch.empty_like(x).copy_(x))
-    copy_gbs = 4 * n / copy_ms / 1e6
+    copy_ms, copy_gbs = copy_bandwidth(x)
     print(f"{torch.cuda.get_device_name()}: device copy of a [{SHAPE[0]}, {SHAPE[1]}] bf16 tensor {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s")
     amax = kernels.amax_partials(x)
     scale = torch.ones((), device="cuda")

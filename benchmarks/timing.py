@@ -37,6 +37,13 @@ def back_to_back_ms(fn, launches=30):
     return start.elapsed_time(end) / launches
 
 
+def copy_bandwidth(x) -> tuple[float, float]:
+    """(ms, GB/s) of a device copy of `x`, each byte read once and written once: the yardstick the
+    kernel bandwidths are measured against."""
+    ms = back_to_back_ms(lambda: torch.empty_like(x).copy_(x))
+    return ms, 2 * x.numel() * x.element_size() / ms / 1e6
+
+
 def varied(rows, cols):
     scale = torch.exp2(torch.randint(-6, 6, (rows, cols // 32), device="cuda").float()).repeat_interleave(32, 1)
     return (torch.randn(rows, cols, device="cuda") * scale).to(torch.bfloat16)
