@@ -1,6 +1,6 @@
 """Tile sizes of the Float8 cast kernel, and the bandwidth of each Float8 kernel alone.
 
-    python benchmarks/sweep_cast.py [--mxfp8 | --nvfp4]
+    python benchmarks/sweep_cast.py [--mxfp8 | --nvfp4 (with the hybrid)]
 
 Each kernel is launched back to back (its host-side launch is shorter than the kernel, so the GPU
 never waits) and timed with CUDA events; bandwidth counts each input byte read once and each
@@ -22,37 +22,47 @@ def sweep_mxfp8(x, line):
     from qtensor_kernels import mxfp8
 
     n = x.numel()
-    results = []
-    for config in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 128, 8), (32, 128, 4), (128, 32, 4), (64, 256, 8)]:
+    # (32, 64, 1) and (32, 32, 1): one warp holds 32 rows in 4 lanes, so both directions' block
+    # amaxes stay within a warp (no shared memory); the others spread rows over warps.
+    for config in [(32, 64, 1), (32, 32, 1), (32, 128, 2), (64, 64, 2), (64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4)]:
         cast_ms = back_to_back_ms(lambda: mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True, block=config))
         line(f"mxfp8 cast both directions, tile {config}", cast_ms, 4 * n + 2 * n // 32)
-        row, col = mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True)
+    row, col = mxfp8.cast(x, torch.float8_e4m3fn, "rceil", True, True)
+    for config in [(64, 256, 8), (32, 256, 4)]:
         for along_rows, (data, codes) in ((True, row), (False, col)):
             ms = back_to_back_ms(lambda: mxfp8.dequantize(data, codes, along_rows, torch.bfloat16, block=config))
             line(f"mxfp8 dequantize {'rowwise' if along_rows else 'columnwise'} to bf16, tile {config}", ms, 3 * n + n // 32)
 
 
+# (warps, bytes each thread loads from a row) of the NVFP4 and hybrid kernels' 16-row tiles.
+NV_TILES = [(1, 8), (2, 8), (4, 8), (8, 8), (1, 16), (2, 16), (4, 16), (4, 4)]
+
+
 def sweep_nvfp4(x, line):
-    from qtensor_kernels import nvfp4
+    from qtensor_kernels import hybrid, nvfp4
 
     n = x.numel()
     amax = kernels.finite_amax(x)
     keys = torch.randint(0, 2**32, (4,), device="cuda")
     written = n + n // 8  # both directions: packed codes and E4M3 scales
-    line("nvfp4 amaxes (plain and transformed), tile (64, 64, 4)", back_to_back_ms(lambda: nvfp4.amaxes(x)), 2 * n)
-    for config in [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (128, 128, 8)]:
-        line(f"nvfp4 amaxes, tile {config}", back_to_back_ms(lambda: nvfp4.amaxes(x, block=config)), 2 * n)
+    for tile in NV_TILES:
+        line(f"nvfp4 amaxes (plain and transformed), tile {tile}", back_to_back_ms(lambda: nvfp4.amaxes(x, tile=tile)), 2 * n)
     variants = {
         "blocks": dict(keys=None, block_2d=False, rht=False),
         "tiles": dict(keys=None, block_2d=True, rht=False),
+        "rht": dict(keys=None, block_2d=False, rht=True),
         "rht + stochastic": dict(keys=keys, block_2d=False, rht=True),
     }
-    for config in [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (32, 128, 4), (128, 32, 4)]:
-        for name, options in variants.items():
-            ms = back_to_back_ms(lambda: nvfp4.cast(x, amax, amax, rowwise=True, columnwise=True, block=config, **options))
-            line(f"nvfp4 cast both, {name}, tile {config}", ms, 2 * n + written)
+    for name, options in variants.items():
+        for tile in NV_TILES:
+            ms = back_to_back_ms(lambda: nvfp4.cast(x, amax, amax, rowwise=True, columnwise=True, tile=tile, **options))
+            line(f"nvfp4 cast both, {name}, tile {tile}", ms, 2 * n + written)
+    for name, options in {"rht": dict(keys=None, block_2d=False, rht=True), "plain": dict(keys=None, block_2d=False, rht=False)}.items():
+        for tile in NV_TILES:
+            ms = back_to_back_ms(lambda: hybrid.cast(x, torch.float8_e4m3fn, "rceil", amax, tile=tile, **options))
+            line(f"hybrid cast (mxfp8 rows, nvfp4 {name} columns), tile {tile}", ms, 2 * n + n + n // 32 + written // 2)
     row, col = nvfp4.cast(x, amax, amax, None, True, True, False, False)
-    for config in [(64, 128, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (128, 256, 8)]:
+    for config in [(64, 128, 4), (32, 256, 4), (64, 256, 8), (16, 512, 4)]:
         ms = back_to_back_ms(lambda: nvfp4.dequantize(row[0], row[1], x.shape[1], torch.bfloat16, block=config))
         line(f"nvfp4 dequantize to bf16 (no tensor scale), tile {config}", ms, 2 * n + written // 2)
 

@@ -34,6 +34,8 @@ TABLE: dict[str, tuple[str, str]] = {
     "nvfp4.cast": ("qtensor_kernels.nvfp4", "cast"),
     "nvfp4.amaxes": ("qtensor_kernels.nvfp4", "amaxes"),  # numerics.finite_amax of x and of apply_rht(x.t())
     "nvfp4.dequantize": ("qtensor_kernels.nvfp4", "dequantize"),  # formats.nvfp4.dequantize_row_blocks
+    # formats.hybrid: the MXFP8 rowwise and NVFP4 columnwise children's casts, from one read
+    "hybrid.cast": ("qtensor_kernels.hybrid", "cast"),
     "gemm.scale_output": ("qtensor_kernels.gemm", "scale_output"),  # gemm._scale_and_finish
 }
 

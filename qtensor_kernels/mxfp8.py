@@ -64,6 +64,22 @@ def _block_amax(magnitude, axis: tl.constexpr):
 
 
 @triton.jit
+def _quantize_rows(x, rows, cols, column_program, data_ptr, codes_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   FP8_MAX: tl.constexpr, EMAX: tl.constexpr, E5M2: tl.constexpr, RCEIL: tl.constexpr):
+    """The rowwise copy of the fp32 tile x [BLOCK_M, BLOCK_N] at (rows, cols), the column_program'th
+    tile of its rows: blocks of 32 along each row, codes into data [M, N] and the scale codes into
+    codes [M, ceil(N/32)]."""
+    codes = _e8m0(_block_amax(tl.reshape(tl.abs(x), (BLOCK_M, BLOCK_N // BLOCK, BLOCK)), 2), FP8_MAX, EMAX, RCEIL)
+    scale = _pow2(127 - tl.minimum(codes, 254))
+    y = tl.reshape(tl.reshape(x, (BLOCK_M, BLOCK_N // BLOCK, BLOCK)) * scale[:, :, None], (BLOCK_M, BLOCK_N))
+    inside = rows[:, None] < M
+    tl.store(data_ptr + rows[:, None] * N + cols[None, :], _fp8_codes(y, FP8_MAX, E5M2), mask=inside & (cols[None, :] < N))
+    blocks = column_program * (BLOCK_N // BLOCK) + tl.arange(0, BLOCK_N // BLOCK)
+    row_blocks = tl.cdiv(N, BLOCK)
+    tl.store(codes_ptr + rows[:, None] * row_blocks + blocks[None, :], codes.to(tl.uint8), mask=inside & (blocks[None, :] < row_blocks))
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr, row_ptr, row_codes_ptr, col_ptr, col_codes_ptr, M, N, stride_m,
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, E5M2: tl.constexpr, RCEIL: tl.constexpr,
@@ -74,18 +90,10 @@ def _cast_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     # Partial blocks behave as zero-padded (DESIGN.md §2).
     x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    magnitude = tl.abs(x)
     if ROWWISE:  # blocks of 32 along each row
-        codes = _e8m0(_block_amax(tl.reshape(magnitude, (BLOCK_M, BLOCK_N // BLOCK, BLOCK)), 2), FP8_MAX, EMAX, RCEIL)
-        scale = _pow2(127 - tl.minimum(codes, 254))
-        y = tl.reshape(tl.reshape(x, (BLOCK_M, BLOCK_N // BLOCK, BLOCK)) * scale[:, :, None], (BLOCK_M, BLOCK_N))
-        tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], _fp8_codes(y, FP8_MAX, E5M2), mask=mask)
-        blocks_n = tl.program_id(1) * (BLOCK_N // BLOCK) + tl.arange(0, BLOCK_N // BLOCK)
-        row_blocks = tl.cdiv(N, BLOCK)
-        block_mask = (offs_m[:, None] < M) & (blocks_n[None, :] < row_blocks)
-        tl.store(row_codes_ptr + offs_m[:, None] * row_blocks + blocks_n[None, :], codes.to(tl.uint8), mask=block_mask)
+        _quantize_rows(x, offs_m, offs_n, tl.program_id(1), row_ptr, row_codes_ptr, M, N, BLOCK_M, BLOCK_N, FP8_MAX, EMAX, E5M2, RCEIL)
     if COLUMNWISE:  # blocks of 32 down each column; the codes keep the [rows, cols] element order
-        codes = _e8m0(_block_amax(tl.reshape(magnitude, (BLOCK_M // BLOCK, BLOCK, BLOCK_N)), 1), FP8_MAX, EMAX, RCEIL)
+        codes = _e8m0(_block_amax(tl.reshape(tl.abs(x), (BLOCK_M // BLOCK, BLOCK, BLOCK_N)), 1), FP8_MAX, EMAX, RCEIL)
         scale = _pow2(127 - tl.minimum(codes, 254))
         y = tl.reshape(tl.reshape(x, (BLOCK_M // BLOCK, BLOCK, BLOCK_N)) * scale[:, None, :], (BLOCK_M, BLOCK_N))
         tl.store(col_ptr + offs_m[:, None] * N + offs_n[None, :], _fp8_codes(y, FP8_MAX, E5M2), mask=mask)

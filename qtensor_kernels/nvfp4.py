@@ -86,11 +86,15 @@ def _e2m1_magnitude(code):
 
 @triton.jit
 def _e2m1_nearest(magnitude):
-    """nvfp4.e2m1_codes_nearest without the sign: count the bounds passed (ties to the even code)."""
-    codes = (magnitude > 0.25).to(tl.int32) + (magnitude >= 0.75).to(tl.int32)
-    codes += (magnitude > 1.25).to(tl.int32) + (magnitude >= 1.75).to(tl.int32)
-    codes += (magnitude > 2.5).to(tl.int32) + (magnitude >= 3.5).to(tl.int32)
-    return codes + (magnitude > 5.0).to(tl.int32)
+    """nvfp4.e2m1_codes_nearest without the sign, for magnitudes of blocks without NaN (the caller
+    zeroes a NaN block's codes), in floating-point arithmetic rather than comparisons: adding and
+    subtracting 1.5 * 2**(e + 22), e = max(floor(log2 m), 0), whose ulp is the grid's step at m,
+    rounds m to nearest even on the grid; saturated at 6, the value times 2**-126 has E2M1's biased
+    exponent and mantissa bit in fp32's bits 23-24 and 22 (0.5 becomes the subnormal 2**-127)."""
+    m = tl.minimum(magnitude, 8.0)
+    magic = (tl.maximum(m.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + 0x0B400000).to(tl.float32, bitcast=True)
+    value = tl.minimum((m + magic) - magic, 6.0)
+    return (value * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22  # 2**-126
 
 
 @triton.jit
@@ -116,12 +120,10 @@ def _mix32(h):
 
 
 @triton.jit
-def _draws(keys_ptr, rows, cols, row_length):
-    """nvfp4.uniform_draws at the elements (rows[:, None], cols[None, :]) of a matrix whose rows hold
-    `row_length` elements, under the keys at keys_ptr (k0, k1)."""
+def _draws(keys_ptr, index):
+    """nvfp4.uniform_draws at the row-major (int64) indices `index`, under the keys at keys_ptr (k0, k1)."""
     k0 = tl.load(keys_ptr).to(tl.uint32)
     k1 = tl.load(keys_ptr + 1).to(tl.uint32)
-    index = rows[:, None].to(tl.int64) * row_length + cols[None, :]
     low = (index & 0xFFFFFFFF).to(tl.uint32)
     high = (index >> 32).to(tl.uint32)
     bits = _mix32(_mix32(low ^ k0) ^ high ^ k1)
@@ -129,63 +131,123 @@ def _draws(keys_ptr, rows, cols, row_length):
 
 
 @triton.jit
-def _butterfly(x, R: tl.constexpr, C: tl.constexpr, HALF: tl.constexpr):
-    """One stage of nvfp4.hadamard16: in each group of 2*HALF, (a, b) → (a + b, a - b) for a in
-    the first half and b its partner HALF further on."""
-    pairs = tl.permute(tl.reshape(x, (R, C // (2 * HALF), 2, HALF)), (0, 1, 3, 2))
-    first, second = tl.split(pairs)
-    return tl.reshape(tl.permute(tl.join(first + second, first - second), (0, 1, 3, 2)), (R, C))
-
-
-@triton.jit
-def _hadamard_runs(x, R: tl.constexpr, C: tl.constexpr):
-    """nvfp4.apply_rht on each run of 16 along the last dim of x [R, C]: the Walsh-Hadamard butterfly
-    in the reference's order of additions, then * 1/4, the signs, and -0 made +0."""
-    x = _butterfly(_butterfly(_butterfly(_butterfly(x, R, C, 1), R, C, 2), R, C, 4), R, C, 8)
-    negative = ((tl.full((C,), _SIGNS_NEGATIVE, tl.int32) >> (tl.arange(0, C) % 16)) & 1) == 1
-    x = x * 0.25
-    x = tl.where(negative[None, :], x * -1.0, x)
-    return tl.where(x == 0.0, 0.0, x)
-
-
-@triton.jit
-def _quantize_blocks(x, amax, s_enc, keys_ptr, rows, cols, row_length, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, WORDS: tl.constexpr):
-    """nvfp4.quantize_row_blocks of the fp32 tile x [R, C] given its block amaxes [R, C/16]: the E2M1
-    codes, packed two per byte (element 2i in the low nibble), as one 64-bit word per block [R, C/16]
-    (WORDS) or as bytes [R, C/2]; and the E4M3 scale codes [R, C/16]."""
+def _block_encode(amax, s_enc):
+    """(the E4M3 scale code (int32), the fp32 factor that scales the elements) of each block amax:
+    nvfp4.quantize_row_blocks up to the element codes."""
     wanted = amax * (s_enc * _ONE_SIXTH)
     scale, scale_code = _e4m3_saturating(tl.where(amax < float("inf"), wanted, float("nan")))  # NaN/Inf blocks: NaN
     decode = scale * tl.div_rn(_like(1.0, s_enc), s_enc)
     encode = tl.div_rn(_like(1.0, decode), decode)
-    encode = tl.where(encode > _FLT_MAX, _FLT_MAX, encode)
-    scaled = tl.reshape(x, (R, C // 16, 16)) * encode[:, :, None]
+    return scale_code, tl.where(encode > _FLT_MAX, _FLT_MAX, encode)
+
+
+@triton.jit
+def _e2m1_codes(scaled, keys_ptr, index, STOCHASTIC: tl.constexpr):
+    """E2M1 codes (int32, sign in bit 3) of the scaled elements of blocks without NaN; stochastically
+    with the draws of the elements at `index` (row-major in the matrix being quantized) under the
+    keys at keys_ptr."""
     magnitude = tl.abs(scaled)
     if STOCHASTIC:
-        draws = tl.reshape(_draws(keys_ptr, rows, cols, row_length), (R, C // 16, 16))
-        codes = _e2m1_stochastic(magnitude, draws)
+        codes = _e2m1_stochastic(magnitude, _draws(keys_ptr, index))
     else:
         codes = _e2m1_nearest(magnitude)
-    codes = codes | (((scaled.to(tl.int32, bitcast=True) >> 31) & (scaled == scaled).to(tl.int32)) << 3)  # _sign_bit
-    if WORDS:  # the block's 16 nibbles in one word: disjoint bit fields, so the sum is their OR
-        shifts = (tl.arange(0, 16) * 4).to(tl.int64)
-        packed = tl.sum(codes.to(tl.int64) << shifts[None, None, :], axis=2)
+    return codes | ((scaled.to(tl.int32, bitcast=True) >> 28) & 8)  # _sign_bit (NaN blocks are zeroed after)
+
+
+@triton.jit
+def _butterfly(x, C: tl.constexpr, HALF: tl.constexpr):
+    """One stage of nvfp4.hadamard16 down the columns of x [16, C]: in each group of 2*HALF rows,
+    (a, b) → (a + b, a - b) for a in the first half and b its partner HALF rows further on."""
+    pairs = tl.permute(tl.reshape(x, (16 // (2 * HALF), 2, HALF, C)), (0, 2, 3, 1))
+    first, second = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(first + second, first - second), (0, 3, 1, 2)), (16, C))
+
+
+@triton.jit
+def _hadamard_columns(x, C: tl.constexpr):
+    """nvfp4.apply_rht down each column of the tile x [16, C] (its runs of 16 are the columns): the
+    Walsh-Hadamard butterfly in the reference's order of additions, then * 1/4, the signs, and -0
+    made +0. Each thread holds whole columns, so this is arithmetic on its own registers."""
+    x = _butterfly(_butterfly(_butterfly(_butterfly(x, C, 1), C, 2), C, 4), C, 8)
+    negative = ((tl.full((16,), _SIGNS_NEGATIVE, tl.int32) >> tl.arange(0, 16)) & 1) == 1
+    x = x * 0.25
+    return tl.where(negative[:, None], x * -1.0, x) + 0.0  # + 0.0 makes -0 +0
+
+
+@triton.jit
+def _load_tile(x_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+    """(rows, columns, the fp32 tile x [16, BLOCK_N]) of program (i, j): rows 16i.., zeros past the
+    matrix (partial blocks, and the rows the transform pads to a multiple of 16, DESIGN.md §2).
+    Each thread loads VEC adjacent columns of all 16 rows: the layout every cast below keeps."""
+    rows = tl.program_id(0).to(tl.int64) * 16 + tl.arange(0, 16)
+    cols = tl.max_contiguous(tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N), VEC)
+    x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
+    return rows, cols, x.to(tl.float32)
+
+
+@triton.jit
+def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr):
+    """The rowwise copy of the tile x [16, BLOCK_N] (blocks of 16 along each row, their amaxes
+    `amax` [16, BLOCK_N/16]) into data [M, ceil(N/2)] (as int32 [M, N/8] with INT32) and scale
+    [M, ceil(N/16)]."""
+    scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
+    scaled = tl.reshape(x, (16, BLOCK_N // 16, 16)) * encode[:, :, None]
+    codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), keys_ptr, rows[:, None] * N + cols[None, :], STOCHASTIC)
+    codes = tl.reshape(tl.where((scale_code == _E4M3_NAN)[:, :, None], 0, tl.reshape(codes, (16, BLOCK_N // 16, 16))), (16, BLOCK_N))
+    inside = rows[:, None] < M
+    if INT32:  # 8 codes (one thread's) per word, element 8w + i in nibble i
+        words = tl.sum(tl.reshape(codes, (16, BLOCK_N // 8, 8)) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
+        word_cols = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        tl.store(data_ptr + rows[:, None] * (N // 8) + word_cols[None, :], words, mask=inside & (word_cols[None, :] < N // 8))
     else:
-        low, high = tl.split(tl.reshape(codes, (R, C // 2, 2)))
-        packed = (low | (high << 4)).to(tl.uint8)
-    return packed, scale_code.to(tl.uint8)
+        low, high = tl.split(tl.reshape(codes, (16, BLOCK_N // 2, 2)))
+        byte_cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        row_bytes = tl.cdiv(N, 2)
+        tl.store(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], (low | (high << 4)).to(tl.uint8), mask=inside & (byte_cols[None, :] < row_bytes))
+    block_cols = tl.program_id(1) * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+    row_blocks = tl.cdiv(N, 16)
+    tl.store(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], scale_code.to(tl.uint8), mask=inside & (block_cols[None, :] < row_blocks))
 
 
 @triton.jit
-def _tile_amax(magnitude, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """nvfp4.tile_amax: max |x| of each 16x16 tile, [BLOCK_M/16, BLOCK_N/16], NaN when any is NaN."""
-    per_row = _block_amax(tl.reshape(magnitude, (BLOCK_M // 16, 16, BLOCK_N // 16, 16)), 3)
-    return _block_amax(per_row, 1)
+def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr):
+    """The columnwise copy of the tile x [16, BLOCK_N] (one block down each column, its amax
+    `amax` [BLOCK_N]): column n is row n of data [N, ceil(length/2)] (int32 [N, length/8] with
+    INT32) and of scale [N, ceil(length/16)]."""
+    scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
+    codes = _e2m1_codes(x * encode[None, :], keys_ptr, cols[None, :] * length + rows[:, None], STOCHASTIC)
+    codes = tl.where((scale_code == _E4M3_NAN)[None, :], 0, codes)
+    inside = cols[None, :] < N
+    if INT32:  # rows 8h..8h+7 of a column in word h
+        words = tl.sum(tl.reshape(codes, (2, 8, BLOCK_N)) << (tl.arange(0, 8) * 4)[None, :, None], axis=1)
+        halves = tl.program_id(0) * 2 + tl.arange(0, 2)
+        tl.store(data_ptr + cols[None, :] * (length // 8) + halves[:, None], words, mask=inside & (halves[:, None] < length // 8))
+    else:
+        low, high = tl.split(tl.permute(tl.reshape(codes, (8, 2, BLOCK_N)), (0, 2, 1)))
+        byte_rows = tl.program_id(0) * 8 + tl.arange(0, 8)
+        row_bytes = tl.cdiv(length, 2)
+        tl.store(data_ptr + cols[None, :] * row_bytes + byte_rows[:, None], (low | (high << 4)).to(tl.uint8), mask=inside & (byte_rows[:, None] < row_bytes))
+    tl.store(scale_ptr + cols * tl.cdiv(length, 16) + tl.program_id(0), scale_code.to(tl.uint8), mask=cols < N)
 
 
 @triton.jit
-def _spread(tiles, A: tl.constexpr, B: tl.constexpr):
-    """[A/16, B/16] tile values as the block amaxes [A, B/16] of the A rows they cover."""
-    return tl.reshape(tl.broadcast_to(tiles[:, None, :], (A // 16, 16, B // 16)), (A, B // 16))
+def _tile_amaxes(x, BLOCK_N: tl.constexpr):
+    """nvfp4.tile_amax of the tile x [16, BLOCK_N]: max |x| of each 16x16 tile, [BLOCK_N/16]."""
+    return _block_amax(tl.reshape(_block_amax(tl.abs(x), 0), (BLOCK_N // 16, 16)), 1)
+
+
+@triton.jit
+def _cast_columns(x, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length,
+                  BLOCK_N: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr):
+    """The columnwise copy of the tile x [16, BLOCK_N] (after the transform with RHT), one block
+    down each column, in one thread's registers."""
+    if BLOCK_2D:
+        amax = tl.reshape(tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
+    if RHT:
+        x = _hadamard_columns(x, BLOCK_N)
+    if not BLOCK_2D:
+        amax = _block_amax(tl.abs(x), 0)
+    _quantize_columns(x, amax, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N, STOCHASTIC, INT32)
 
 
 @triton.jit
@@ -193,63 +255,41 @@ def _cast_kernel(
     x_ptr, M, N, stride_m, row_amax_ptr, col_amax_ptr, keys_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, col_length,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
-    STOCHASTIC: tl.constexpr, ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
 ):
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Partial blocks, and the rows the transform pads to a multiple of 16, are zeros (DESIGN.md §2).
-    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=(offs_m[:, None] < M) & (offs_n[None, :] < N), other=0.0).to(tl.float32)
-    if BLOCK_2D:
-        tiles = _tile_amax(tl.abs(x), BLOCK_M, BLOCK_N)
-    if ROWWISE:  # blocks of 16 along each row
-        if BLOCK_2D:
-            amax = _spread(tiles, BLOCK_M, BLOCK_N)
+    rows, cols, x = _load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
+    if ROWWISE:  # blocks of 16 along each row: VEC elements in each of 16/VEC adjacent threads
+        if BLOCK_2D:  # one amax per 16x16 tile, for both directions
+            amax = tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[None, :], (16, BLOCK_N // 16))
         else:
-            amax = _block_amax(tl.reshape(tl.abs(x), (BLOCK_M, BLOCK_N // 16, 16)), 2)
-        s_enc = _encode_scale(tl.load(row_amax_ptr))
-        packed, scales = _quantize_blocks(x, amax, s_enc, keys_ptr, offs_m, offs_n, N, BLOCK_M, BLOCK_N, STOCHASTIC, ROW_WORDS)
-        _store_rows(row_data_ptr, row_scale_ptr, packed, scales, offs_m, tl.program_id(1), M, N, BLOCK_M, BLOCK_N, ROW_WORDS)
-    if COLUMNWISE:  # the transposed tile, blocks of 16 down each column of x
-        xt = tl.trans(x)
-        if RHT:
-            xt = _hadamard_runs(xt, BLOCK_N, BLOCK_M)
-        if BLOCK_2D:
-            amax = _spread(tl.trans(tiles), BLOCK_N, BLOCK_M)
-        else:
-            amax = _block_amax(tl.reshape(tl.abs(xt), (BLOCK_N, BLOCK_M // 16, 16)), 2)
-        s_enc = _encode_scale(tl.load(col_amax_ptr))
-        packed, scales = _quantize_blocks(xt, amax, s_enc, keys_ptr + 2, offs_n, offs_m, col_length, BLOCK_N, BLOCK_M, STOCHASTIC, COL_WORDS)
-        _store_rows(col_data_ptr, col_scale_ptr, packed, scales, offs_n, tl.program_id(0), N, col_length, BLOCK_N, BLOCK_M, COL_WORDS)
+            amax = _block_amax(tl.reshape(tl.abs(x), (16, BLOCK_N // 16, 16)), 2)
+        _quantize_rows(x, amax, row_amax_ptr, keys_ptr, rows, cols, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, STOCHASTIC, ROW_INT32)
+    if COLUMNWISE:
+        _cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32)
 
 
-@triton.jit
-def _store_rows(data_ptr, scale_ptr, packed, scales, rows, column_program, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr):
-    """Store a tile's packed codes into data [R, ceil(C/2)] (as words [R, C/16] with WORDS) and its
-    scales into scale [R, ceil(C/16)]."""
-    row_bytes, row_blocks = tl.cdiv(C, 2), tl.cdiv(C, 16)
-    block_cols = column_program * (BLOCK_C // 16) + tl.arange(0, BLOCK_C // 16)
-    block_mask = (rows[:, None] < R) & (block_cols[None, :] < row_blocks)
-    if WORDS:
-        tl.store(data_ptr + rows[:, None] * row_blocks + block_cols[None, :], packed, mask=block_mask)
-    else:
-        byte_cols = column_program * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
-        tl.store(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], packed, mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes))
-    tl.store(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], scales, mask=block_mask)
-
-
-# (BLOCK_M, BLOCK_N, warps) of the cast (by whether it transforms) and of the dequantize: the fastest
-# of benchmarks/sweep_cast.py --nvfp4 on an H200 at 8192x8192 bf16.
-_CAST_TILE = {False: (64, 32, 4), True: (64, 64, 8)}
+# (warps, bytes each thread loads from a row) of the cast (by whether it transforms) and of the
+# amaxes, and the dequantize's (BLOCK_R, BLOCK_C, warps): the fastest of
+# benchmarks/sweep_cast.py --nvfp4 on an H200 at 8192x8192 bf16.
+_CAST_TILE = {False: (4, 8), True: (4, 8)}
+_AMAXES_TILE = (4, 8)
 _DEQUANTIZE_TILE = (32, 256, 4)
-_AMAXES_TILE = (32, 64, 4)
 
 
-def _as_words(pair, length):
-    """(data, scales) with the data viewed as one int64 word per block where rows hold whole blocks."""
-    return (pair[0].view(torch.int64) if length % 16 == 0 else pair[0]), pair[1]
+def _tile_columns(x, tile):
+    """(BLOCK_N, VEC, warps) of a tile of 16 rows whose 32 * warps threads each load VEC elements
+    (`tile` = (warps, bytes)) of each row."""
+    warps, row_bytes = tile
+    vec = max(row_bytes // x.element_size(), 1)
+    return vec * 32 * warps, vec, warps
 
 
-def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, block=None):
+def _int32_view(pair, length):
+    """(data, scales) with the data viewed as int32 words of 8 codes where rows hold whole words."""
+    return (pair[0].view(torch.int32) if length % 8 == 0 else pair[0]), pair[1]
+
+
+def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, tile=None):
     """((rowwise data [M, ceil(N/2)], scales [M, ceil(N/16)]) or None, (columnwise data
     [N, ceil(L/2)], scales [N, ceil(M/16)]) or None) of the 2-D `x`, L being M, or M padded to a
     multiple of 16 with `rht`; the scale codes as float8_e4m3fn."""
@@ -262,44 +302,41 @@ def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, 
     row = new(M, N) if rowwise else None
     col = new(N, col_length) if columnwise else None
     if M and N:
-        block_m, block_n, warps = block or _CAST_TILE[rht and columnwise]
+        block_n, vec, warps = _tile_columns(x, tile or _CAST_TILE[rht and columnwise])
         some = row or col
-        _cast_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        _cast_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
             x, M, N, x.stride(0), global_amax, column_amax, keys if keys is not None else global_amax,
-            *(_as_words(row, N) if row else some), *(_as_words(col, col_length) if col else some), col_length,
+            *(_int32_view(row, N) if row else some), *(_int32_view(col, col_length) if col else some), col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
-            ROW_WORDS=N % 16 == 0, COL_WORDS=col_length % 16 == 0,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+            ROW_INT32=N % 8 == 0, COL_INT32=col_length % 8 == 0, BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
         )
     as_scales = lambda pair: None if pair is None else (pair[0], pair[1].view(torch.float8_e4m3fn))
     return as_scales(row), as_scales(col)
 
 
 @triton.jit
-def _amaxes_kernel(x_ptr, M, N, stride_m, partials_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _amaxes_kernel(x_ptr, M, N, stride_m, partials_ptr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
     """Program p writes the finite max |x| of its tile at partials[p] and that of the tile's
-    transformed columns (runs of 16 rows, zero-padded past M) at partials[programs + p]."""
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=(offs_m[:, None] < M) & (offs_n[None, :] < N), other=0.0).to(tl.float32)
+    transformed columns (zero rows past M) at partials[programs + p]."""
+    _, _, x = _load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
     program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     programs = tl.num_programs(0) * tl.num_programs(1)
     magnitude = tl.abs(x)
-    tl.store(partials_ptr + program, tl.max(tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1), axis=0))
-    transformed = tl.abs(_hadamard_runs(tl.trans(x), BLOCK_N, BLOCK_M))
-    tl.store(partials_ptr + programs + program, tl.max(tl.max(tl.where(transformed < float("inf"), transformed, 0.0), axis=1), axis=0))
+    tl.store(partials_ptr + program, tl.max(tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=0), axis=0))
+    transformed = tl.abs(_hadamard_columns(x, BLOCK_N))
+    tl.store(partials_ptr + programs + program, tl.max(tl.max(tl.where(transformed < float("inf"), transformed, 0.0), axis=0), axis=0))
 
 
-def amaxes(x: torch.Tensor, block=_AMAXES_TILE):
+def amaxes(x: torch.Tensor, tile=_AMAXES_TILE):
     """(finite amax of x, finite amax of its transformed columnwise copy), 0-d fp32 each."""
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    block_m, block_n, warps = block
-    grid = (max(triton.cdiv(M, block_m), 1), max(triton.cdiv(N, block_n), 1))
+    block_n, vec, warps = _tile_columns(x, tile)
+    grid = (max(triton.cdiv(M, 16), 1), max(triton.cdiv(N, block_n), 1))
     partials = torch.zeros((2, grid[0] * grid[1]), dtype=torch.float32, device=x.device)
     if M and N:
-        _amaxes_kernel[grid](x, M, N, x.stride(0), partials, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False)
+        _amaxes_kernel[grid](x, M, N, x.stride(0), partials, BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False)
     both = partials.amax(dim=1)
     return both[0], both[1]
 
@@ -339,7 +376,7 @@ def dequantize(data, scale_inv, length: int, out_dtype: torch.dtype, global_amax
     block_r, block_c, warps = block or _DEQUANTIZE_TILE
     if R and length:
         _dequantize_kernel[(triton.cdiv(R, block_r), triton.cdiv(length, block_c))](
-            _as_words((data.contiguous(), None), length)[0], scale_inv.contiguous().view(torch.uint8), global_amax if global_amax is not None else data, out, R, length,
+            data.contiguous().view(torch.int64) if length % 16 == 0 else data.contiguous(), scale_inv.contiguous().view(torch.uint8), global_amax if global_amax is not None else data, out, R, length,
             TENSOR_SCALE=global_amax is not None, WORDS=length % 16 == 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False,
         )
     return out

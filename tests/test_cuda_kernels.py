@@ -2,13 +2,15 @@
 FP8 tensor-core GEMMs within the bound of Hopper's FP8 accumulation, and a training step of any
 recipe makes no host synchronisation. Skipped without a GPU; run on the device machine."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import qtensor
-from qtensor import gemm
+from qtensor import gemm, kernels
 from qtensor.kernels import lookup, reference_kernels
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -332,6 +334,53 @@ def test_nvfp4_cast_kernel_is_bitwise_the_reference(name, dtype, shape, directio
         assert fast.keys() == reference.keys()
         for key in fast:
             assert torch.equal(fast[key], reference[key]), key
+
+
+@pytest.mark.parametrize("tile", [(1, 8), (2, 16), (8, 4)])
+@pytest.mark.parametrize("name", ["blocks", "tiles", "rht_stochastic"])
+def test_nvfp4_cast_is_the_same_bits_for_every_tile(name, tile):
+    """The tile (warps, bytes each thread loads) moves blocks between threads, never their values."""
+    from qtensor_kernels import nvfp4
+
+    x = hard_input(80, 1000, torch.bfloat16)
+    quantizer = NV_QUANTIZERS[name]()
+    with mock.patch.dict(nvfp4._CAST_TILE, {False: tile, True: tile}):
+        fast = nv_raw(quantizer.quantize(x))
+    with reference_kernels():
+        reference = nv_raw(NV_QUANTIZERS[name]().quantize(x))
+    for key in fast:
+        assert torch.equal(fast[key], reference[key]), key
+
+
+HYBRID_QUANTIZERS = {
+    "mxfp8_nvfp4_rht": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(rht=True)),
+    "mxfp8_nvfp4": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer()),
+    "e5m2_floor_nvfp4_tiles": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(torch.float8_e5m2, scale_rounding="floor"), qtensor.NVFP4Quantizer(block_2d=True)),
+    "mxfp8_nvfp4_rht_stochastic": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer(rht=True, stochastic_rounding=True, seed=9)),
+}
+
+
+@pytest.mark.parametrize("shape", [(96, 160), (37, 45), (130, 7), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(HYBRID_QUANTIZERS))
+def test_hybrid_cast_in_one_read_is_bitwise_the_two_children(name, dtype, shape):
+    """MXFP8 rowwise + NVFP4 columnwise written by one kernel (hybrid.cast) equal the children's
+    reference casts, stochastic rounding's draws included."""
+    x = hard_input(max(shape[0], 8), max(shape[1], 64), dtype)[: shape[0], : shape[1]]
+    fast_quantizer, reference_quantizer = HYBRID_QUANTIZERS[name](), HYBRID_QUANTIZERS[name]()
+    from qtensor_kernels import hybrid
+
+    fused = mock.Mock(wraps=hybrid.cast)
+    with mock.patch.dict(kernels._resolved, {"hybrid.cast": fused}):
+        fast = fast_quantizer.quantize(x)
+    assert fused.call_count == 1
+    with reference_kernels():
+        reference = reference_quantizer.quantize(x)
+    assert torch.equal(fast.rowwise.data.view(torch.uint8).cpu(), reference.rowwise.data.view(torch.uint8).cpu())
+    assert torch.equal(fast.rowwise.scale_inv.cpu(), reference.rowwise.scale_inv.cpu())
+    fast_nv, reference_nv = nv_raw(fast), nv_raw(reference)
+    for key in ("columnwise.data", "columnwise.scale_inv", "columnwise.global_amax"):
+        assert torch.equal(fast_nv[key], reference_nv[key]), key
 
 
 @pytest.mark.parametrize("magnitude", [0.0, 1e-44, 1e-39, 2.0**-120, 3.0, 3.3e38])

@@ -1,8 +1,11 @@
 """Hybrid: a rowwise copy in one format and a columnwise copy in another (DESIGN.md §2 "Hybrid")."""
 
+from ..kernels import lookup
 from ..numerics import cast_saturating, check_choice
 from ..quantizer import Quantizer
 from ..tensor import QuantizedTensor
+from .mxfp8 import MXFP8Quantizer
+from .nvfp4 import NVFP4Quantizer
 
 
 class HybridQuantizedTensor(QuantizedTensor):
@@ -41,6 +44,10 @@ class HybridQuantizer(Quantizer):
         self.columnwise_source = columnwise_source
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
+        if rowwise and columnwise and self._casts_in_one_read():
+            kernel = lookup("hybrid.cast", x)
+            if kernel is not None:
+                return self._cast_in_one_read(kernel, x, update_state)
         from_rowwise = columnwise and self.columnwise_source == "rowwise_dequantized"
         rowwise_storage = columnwise_storage = None
         if rowwise or from_rowwise:
@@ -49,6 +56,18 @@ class HybridQuantizer(Quantizer):
             source = cast_saturating(rowwise_storage.dequantize(), x.dtype) if from_rowwise else x
             _, columnwise_storage = self.columnwise._quantize_2d(source, False, True, update_state=update_state)
         return (rowwise_storage if rowwise else None), columnwise_storage
+
+    def _casts_in_one_read(self) -> bool:
+        """MXFP8 rowwise and NVFP4 columnwise from the input: one kernel writes both (hybrid.cast)."""
+        return isinstance(self.rowwise, MXFP8Quantizer) and isinstance(self.columnwise, NVFP4Quantizer) and self.columnwise_source == "original"
+
+    def _cast_in_one_read(self, kernel, x, update_state):
+        # Bit for bit the two children's casts: the same amax, and the keys the NVFP4 child draws.
+        mx, nv = self.rowwise, self.columnwise
+        keys = nv._draw_keys(x, update_state)
+        _, column_amax = nv._amaxes(x, columnwise=True)
+        row, col = kernel(x, mx.fp8_dtype, mx.scale_rounding, column_amax, keys, nv.block_2d, nv.rht)
+        return mx._storage("rowwise", x.shape, *row), nv._storage("columnwise", x.shape, *col, column_amax)
 
     def casts_reproducibly(self) -> bool:
         return self.rowwise.casts_reproducibly() and self.columnwise.casts_reproducibly()

@@ -117,23 +117,20 @@ class MXFP8Quantizer(Quantizer):
         self.fp8_dtype = fp8_dtype
         self.scale_rounding = scale_rounding
 
+    def _storage(self, direction, shape, data, scale_inv) -> "MXFP8Storage":
+        return MXFP8Storage(direction=direction, rows=shape[0], cols=shape[1], fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv)
+
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         # DESIGN.md §2: both directions come from the high-precision input, never one from the other.
-        rows, cols = x.shape
-        common = dict(rows=rows, cols=cols, fp8_dtype=self.fp8_dtype)
         kernel = lookup("mxfp8.cast", x)
         if kernel is not None:  # both directions from one read of each tile
             row, col = kernel(x, self.fp8_dtype, self.scale_rounding, rowwise, columnwise)
-            make = lambda direction, pair: MXFP8Storage(direction=direction, **common, data=pair[0], scale_inv=pair[1])
-            return (make("rowwise", row) if rowwise else None, make("columnwise", col) if columnwise else None)
+            return (self._storage("rowwise", x.shape, *row) if rowwise else None, self._storage("columnwise", x.shape, *col) if columnwise else None)
         x = x.float()
         rowwise_storage = columnwise_storage = None
         if rowwise:
-            data, codes = quantize_row_blocks(x, self.fp8_dtype, self.scale_rounding)
-            rowwise_storage = MXFP8Storage(direction="rowwise", **common, data=data, scale_inv=codes)
+            rowwise_storage = self._storage("rowwise", x.shape, *quantize_row_blocks(x, self.fp8_dtype, self.scale_rounding))
         if columnwise:
             data, codes = quantize_row_blocks(x.t(), self.fp8_dtype, self.scale_rounding)
-            columnwise_storage = MXFP8Storage(
-                direction="columnwise", **common, data=data.t().contiguous(), scale_inv=codes.t().contiguous()
-            )
+            columnwise_storage = self._storage("columnwise", x.shape, data.t().contiguous(), codes.t().contiguous())
         return rowwise_storage, columnwise_storage

@@ -302,19 +302,24 @@ class NVFP4Quantizer(Quantizer):
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
+    def _storage(self, direction, shape, data, scale_inv, global_amax) -> NVFP4Storage:
+        return NVFP4Storage(direction=direction, rows=shape[0], cols=shape[1], rht=self.rht, data=data, scale_inv=scale_inv, global_amax=global_amax)
+
+    def _draw_keys(self, x, update_state):
+        """The cast's stochastic-rounding keys (draw_keys), or None. Quantized zeros
+        (update_state=False) draw no random numbers: the generator stays put."""
+        if self.stochastic_rounding and update_state:
+            return draw_keys(self._generator(x.device), x.device)
+        return None
+
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         rows, cols = x.shape
-        # Quantized zeros (update_state=False) draw no random numbers: the generator stays put.
-        keys = None
-        if self.stochastic_rounding and update_state:
-            keys = draw_keys(self._generator(x.device), x.device)
-        common = dict(rows=rows, cols=cols, rht=self.rht)
-        make = lambda direction, pair, amax: NVFP4Storage(direction=direction, **common, data=pair[0], scale_inv=pair[1], global_amax=amax)
+        keys = self._draw_keys(x, update_state)
         kernel = lookup("nvfp4.cast", x)
         if kernel is not None:  # both directions from one read of each tile, after one read for the amaxes
             global_amax, column_amax = self._amaxes(x, columnwise)
             row, col = kernel(x, global_amax, column_amax, keys, rowwise, columnwise, self.block_2d, self.rht)
-            return (make("rowwise", row, global_amax) if rowwise else None, make("columnwise", col, column_amax) if columnwise else None)
+            return (self._storage("rowwise", x.shape, *row, global_amax) if rowwise else None, self._storage("columnwise", x.shape, *col, column_amax) if columnwise else None)
         x = x.float()
         global_amax = tensor_amax(x)
         s_enc = encode_scale(global_amax)
@@ -323,7 +328,7 @@ class NVFP4Quantizer(Quantizer):
         if rowwise:
             amax = tiles.repeat_interleave(BLOCK_SIZE, 0)[:rows] if self.block_2d else block_amax(x, BLOCK_SIZE)
             row_keys = None if keys is None else keys[:2]
-            rowwise_storage = make("rowwise", quantize_row_blocks(x, s_enc, amax, row_keys), global_amax)
+            rowwise_storage = self._storage("rowwise", x.shape, *quantize_row_blocks(x, s_enc, amax, row_keys), global_amax)
         if columnwise:
             x_t = x.t()
             column_amax, column_s_enc = global_amax, s_enc
@@ -336,7 +341,7 @@ class NVFP4Quantizer(Quantizer):
             else:
                 amax = block_amax(x_t, BLOCK_SIZE)
             column_keys = None if keys is None else keys[2:]
-            columnwise_storage = make("columnwise", quantize_row_blocks(x_t, column_s_enc, amax, column_keys), column_amax)
+            columnwise_storage = self._storage("columnwise", x.shape, *quantize_row_blocks(x_t, column_s_enc, amax, column_keys), column_amax)
         return rowwise_storage, columnwise_storage
 
     def _amaxes(self, x, columnwise):
