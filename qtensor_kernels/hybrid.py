@@ -18,11 +18,11 @@ from . import mxfp8, nvfp4
 def _cast_kernel(
     x_ptr, M, N, stride_m, row_data_ptr, row_codes_ptr, col_amax_ptr, keys_ptr, col_data_ptr, col_scale_ptr, col_length,
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, E5M2: tl.constexpr, RCEIL: tl.constexpr,
-    BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, COL_INT32: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
+    BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
 ):
     rows, cols, x = nvfp4._load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
     mxfp8._quantize_rows(x, rows, cols, tl.program_id(1), row_data_ptr, row_codes_ptr, M, N, 16, BLOCK_N, FP8_MAX, EMAX, E5M2, RCEIL)
-    nvfp4._cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32)
+    nvfp4._cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE)
 
 
 _CAST_TILE = (4, 8)  # (warps, bytes per thread and row), as nvfp4's: benchmarks/sweep_cast.py --nvfp4 on an H200
@@ -46,6 +46,6 @@ def cast(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht, tile=_C
             *nvfp4._int32_view(col, col_length), col_length,
             FP8_MAX=mxfp8._FP8_MAX[fp8_dtype], EMAX=mxfp8._ELEMENT_EMAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2,
             RCEIL=scale_rounding == "rceil", BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None, COL_INT32=col_length % 8 == 0,
-            BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
+            WIDE=nvfp4._wide_pairs(M, N, col_length), BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
         )
     return row, (col[0], col[1].view(torch.float8_e4m3fn))

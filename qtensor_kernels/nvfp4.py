@@ -43,30 +43,6 @@ def _encode_scale(global_amax):
 
 
 @triton.jit
-def _e4m3_saturating(v):
-    """numerics.to_fp8_saturating(v, E4M3) for v >= 0 or NaN, as (the fp32 value, the code): clamped
-    at 448, rounded to nearest even on E4M3's grid (3 mantissa bits; steps of 2**-9 below 2**-6)."""
-    v = tl.where(v > 448.0, 448.0, v)  # +Inf too; NaN stays
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) - 127
-    significand = (bits & 0x7FFFFF) | 0x800000
-    drop = tl.maximum(14 - exponent, 20)  # significand bits below the grid; above 24 the value rounds to 0
-    shift = tl.minimum(drop, 24)
-    kept = significand >> shift
-    rest = significand - (kept << shift)
-    half = (kept * 0 + 1) << (shift - 1)
-    kept += ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
-    kept = tl.where(drop > 24, 0, kept)
-    value = kept.to(tl.float32) * _pow2(exponent - 23 + shift)
-    # The code: the subnormal multiple of 2**-9, or the biased exponent and 3 mantissa bits.
-    value_bits = value.to(tl.int32, bitcast=True)
-    normal_code = ((((value_bits >> 23) & 0xFF) - 120) << 3) | ((value_bits >> 20) & 7)
-    code = tl.where(value >= 0.015625, normal_code, (value * 512.0).to(tl.int32))
-    nan = v != v
-    return tl.where(nan, v, value), tl.where(nan, _E4M3_NAN, code)
-
-
-@triton.jit
 def _e4m3_value(code):
     """The fp32 value of an E4M3 code (int32); NaN for 0x7F and 0xFF."""
     exponent = (code >> 3) & 0xF
@@ -74,14 +50,6 @@ def _e4m3_value(code):
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, (mantissa + 8).to(tl.float32) * _pow2(exponent - 10))
     value = tl.where((code & 0x80) != 0, magnitude * -1.0, magnitude)  # not -x: Triton negates as 0 - x, losing -0
     return tl.where((code & 0x7F) == 0x7F, float("nan"), value)
-
-
-@triton.jit
-def _e2m1_magnitude(code):
-    """nvfp4.E2M1_GRID[code] for codes 0..7 (int32): m/2, or 2**(e-1) * (1 + m/2)."""
-    exponent = code >> 1
-    mantissa = (code & 1).to(tl.float32)
-    return tl.where(exponent == 0, mantissa * 0.5, (2.0 + mantissa) * _pow2(exponent - 2))
 
 
 @triton.jit
@@ -99,16 +67,19 @@ def _e2m1_nearest(magnitude):
 
 @triton.jit
 def _e2m1_stochastic(magnitude, draws):
-    """nvfp4.e2m1_codes_stochastic without the sign."""
-    magnitude = tl.where(magnitude > 6.0, 6.0, magnitude)  # NaN stays
-    lower = (magnitude >= 0.5).to(tl.int32) + (magnitude >= 1.0).to(tl.int32) + (magnitude >= 1.5).to(tl.int32)
-    lower += (magnitude >= 2.0).to(tl.int32) + (magnitude >= 3.0).to(tl.int32)
-    lower += (magnitude >= 4.0).to(tl.int32) + (magnitude >= 6.0).to(tl.int32)
-    # The gap to the next grid value is 0.5 (codes 0-3), 1 (4, 5), 2 (6) or none (7): a power of two,
-    # so multiplying by its reciprocal is the reference's division, exactly.
-    inverse_gap = tl.where(lower < 4, 2.0, tl.where(lower < 6, 1.0, 0.5))
-    probability_up = tl.where(lower < 7, (magnitude - _e2m1_magnitude(lower)) * inverse_gap, 0.0)
-    return lower + (draws < probability_up).to(tl.int32)
+    """nvfp4.e2m1_codes_stochastic without the sign, for magnitudes of blocks without NaN: the grid
+    value at or below m (_e2m1_nearest's rounding, one step down where it went up), and one code
+    up where the draw is below (m - lower) / step. The step is a power of two (2**(e-1), e as in
+    _e2m1_nearest), so both the subtraction and the division by it are exact, as in the reference."""
+    m = tl.minimum(magnitude, 6.0)
+    exponent_bits = tl.maximum(m.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    magic = (exponent_bits + 0x0B400000).to(tl.float32, bitcast=True)
+    nearest = (m + magic) - magic
+    step_bits = exponent_bits - 0x00800000
+    lower = tl.where(nearest > m, nearest - step_bits.to(tl.float32, bitcast=True), nearest)
+    probability_up = (m - lower) * (0x7F000000 - step_bits).to(tl.float32, bitcast=True)  # * 1/step
+    up = (draws < probability_up).to(tl.int32)
+    return ((lower * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22) + up  # 2**-126, as _e2m1_nearest
 
 
 @triton.jit
@@ -120,35 +91,45 @@ def _mix32(h):
 
 
 @triton.jit
-def _draws(keys_ptr, index):
-    """nvfp4.uniform_draws at the row-major (int64) indices `index`, under the keys at keys_ptr (k0, k1)."""
+def _pair_draws(keys_ptr, pairs, WIDE: tl.constexpr):
+    """nvfp4.uniform_draws of the pairs at (int64) indices `pairs`, under the keys at keys_ptr (k0,
+    k1): (the draws of their first elements, of their second). Unless WIDE, every index is below
+    2**32, so its high word is 0."""
     k0 = tl.load(keys_ptr).to(tl.uint32)
     k1 = tl.load(keys_ptr + 1).to(tl.uint32)
-    low = (index & 0xFFFFFFFF).to(tl.uint32)
-    high = (index >> 32).to(tl.uint32)
-    bits = _mix32(_mix32(low ^ k0) ^ high ^ k1)
-    return (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    if WIDE:
+        high = _mix32((pairs >> 32).to(tl.uint32) ^ k1)
+    else:
+        high = _mix32(k1)
+    h = _mix32((pairs & 0xFFFFFFFF).to(tl.uint32) ^ k0 ^ high)
+    # Each 16-bit half n as an fp32 integer without a conversion instruction: (2**23 + n) - 2**23.
+    first = ((h & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    second = ((h >> 16) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return first * 1.52587890625e-05, second * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit
 def _block_encode(amax, s_enc):
     """(the E4M3 scale code (int32), the fp32 factor that scales the elements) of each block amax:
     nvfp4.quantize_row_blocks up to the element codes."""
-    wanted = amax * (s_enc * _ONE_SIXTH)
-    scale, scale_code = _e4m3_saturating(tl.where(amax < float("inf"), wanted, float("nan")))  # NaN/Inf blocks: NaN
+    # numerics.to_fp8_saturating by the device's conversion (round to nearest even, subnormals
+    # included): clamped at 448 first; NaN/Inf blocks get the NaN scale.
+    finite = amax < float("inf")
+    code = tl.minimum(tl.where(finite, amax * (s_enc * _ONE_SIXTH), 0.0), 448.0).to(tl.float8e4nv)
+    scale = tl.where(finite, code.to(tl.float32), float("nan"))
+    scale_code = tl.where(finite, code.to(tl.uint8, bitcast=True).to(tl.int32), _E4M3_NAN)
     decode = scale * tl.div_rn(_like(1.0, s_enc), s_enc)
     encode = tl.div_rn(_like(1.0, decode), decode)
     return scale_code, tl.where(encode > _FLT_MAX, _FLT_MAX, encode)
 
 
 @triton.jit
-def _e2m1_codes(scaled, keys_ptr, index, STOCHASTIC: tl.constexpr):
+def _e2m1_codes(scaled, draws, STOCHASTIC: tl.constexpr):
     """E2M1 codes (int32, sign in bit 3) of the scaled elements of blocks without NaN; stochastically
-    with the draws of the elements at `index` (row-major in the matrix being quantized) under the
-    keys at keys_ptr."""
+    with `draws` (uniform_draws) of the same shape."""
     magnitude = tl.abs(scaled)
     if STOCHASTIC:
-        codes = _e2m1_stochastic(magnitude, _draws(keys_ptr, index))
+        codes = _e2m1_stochastic(magnitude, draws)
     else:
         codes = _e2m1_nearest(magnitude)
     return codes | ((scaled.to(tl.int32, bitcast=True) >> 28) & 8)  # _sign_bit (NaN blocks are zeroed after)
@@ -186,13 +167,18 @@ def _load_tile(x_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr):
+def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
     """The rowwise copy of the tile x [16, BLOCK_N] (blocks of 16 along each row, their amaxes
     `amax` [16, BLOCK_N/16]) into data [M, ceil(N/2)] (as int32 [M, N/8] with INT32) and scale
     [M, ceil(N/16)]."""
     scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
     scaled = tl.reshape(x, (16, BLOCK_N // 16, 16)) * encode[:, :, None]
-    codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), keys_ptr, rows[:, None] * N + cols[None, :], STOCHASTIC)
+    draws = scaled  # unused without STOCHASTIC
+    if STOCHASTIC:  # pairs of neighbouring columns
+        pair_cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        first, second = _pair_draws(keys_ptr, rows[:, None] * ((N + 1) // 2) + pair_cols[None, :], WIDE)
+        draws = tl.reshape(tl.join(first, second), (16, BLOCK_N))
+    codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), draws, STOCHASTIC)
     codes = tl.reshape(tl.where((scale_code == _E4M3_NAN)[:, :, None], 0, tl.reshape(codes, (16, BLOCK_N // 16, 16))), (16, BLOCK_N))
     inside = rows[:, None] < M
     if INT32:  # 8 codes (one thread's) per word, element 8w + i in nibble i
@@ -210,12 +196,17 @@ def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr
 
 
 @triton.jit
-def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr):
+def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N] (one block down each column, its amax
     `amax` [BLOCK_N]): column n is row n of data [N, ceil(length/2)] (int32 [N, length/8] with
     INT32) and of scale [N, ceil(length/16)]."""
     scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
-    codes = _e2m1_codes(x * encode[None, :], keys_ptr, cols[None, :] * length + rows[:, None], STOCHASTIC)
+    draws = x  # unused without STOCHASTIC
+    if STOCHASTIC:  # pairs of neighbouring rows, in one thread
+        pair_rows = tl.program_id(0) * 8 + tl.arange(0, 8)
+        first, second = _pair_draws(keys_ptr, cols[None, :] * ((length + 1) // 2) + pair_rows[:, None], WIDE)
+        draws = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (16, BLOCK_N))
+    codes = _e2m1_codes(x * encode[None, :], draws, STOCHASTIC)
     codes = tl.where((scale_code == _E4M3_NAN)[None, :], 0, codes)
     inside = cols[None, :] < N
     if INT32:  # rows 8h..8h+7 of a column in word h
@@ -237,8 +228,8 @@ def _tile_amaxes(x, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _cast_columns(x, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length,
-                  BLOCK_N: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr):
+def _cast_columns(x, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr,
+                  BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N] (after the transform with RHT), one block
     down each column, in one thread's registers."""
     if BLOCK_2D:
@@ -247,7 +238,7 @@ def _cast_columns(x, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, len
         x = _hadamard_columns(x, BLOCK_N)
     if not BLOCK_2D:
         amax = _block_amax(tl.abs(x), 0)
-    _quantize_columns(x, amax, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N, STOCHASTIC, INT32)
+    _quantize_columns(x, amax, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N, STOCHASTIC, INT32, WIDE)
 
 
 @triton.jit
@@ -255,7 +246,7 @@ def _cast_kernel(
     x_ptr, M, N, stride_m, row_amax_ptr, col_amax_ptr, keys_ptr,
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, col_length,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
-    STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
+    STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
 ):
     rows, cols, x = _load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
     if ROWWISE:  # blocks of 16 along each row: VEC elements in each of 16/VEC adjacent threads
@@ -263,16 +254,16 @@ def _cast_kernel(
             amax = tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[None, :], (16, BLOCK_N // 16))
         else:
             amax = _block_amax(tl.reshape(tl.abs(x), (16, BLOCK_N // 16, 16)), 2)
-        _quantize_rows(x, amax, row_amax_ptr, keys_ptr, rows, cols, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, STOCHASTIC, ROW_INT32)
+        _quantize_rows(x, amax, row_amax_ptr, keys_ptr, rows, cols, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE)
     if COLUMNWISE:
-        _cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32)
+        _cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE)
 
 
-# (warps, bytes each thread loads from a row) of the cast (by whether it transforms) and of the
+# (warps, bytes each thread loads from a row) of the cast (by its rounding) and of the
 # amaxes, and the dequantize's (BLOCK_R, BLOCK_C, warps): the fastest of
 # benchmarks/sweep_cast.py --nvfp4 on an H200 at 8192x8192 bf16.
-_CAST_TILE = {False: (4, 8), True: (4, 8)}
-_AMAXES_TILE = (4, 8)
+_CAST_TILE = {"nearest": (4, 8), "stochastic": (4, 4)}
+_AMAXES_TILE = (1, 16)
 _DEQUANTIZE_TILE = (32, 256, 4)
 
 
@@ -282,6 +273,11 @@ def _tile_columns(x, tile):
     warps, row_bytes = tile
     vec = max(row_bytes // x.element_size(), 1)
     return vec * 32 * warps, vec, warps
+
+
+def _wide_pairs(M, N, col_length):
+    """Whether some draw pair's index (uniform_draws) reaches 2**32, in either direction."""
+    return max(M * -(-N // 2), N * -(-col_length // 2)) > 2**32 - 1
 
 
 def _int32_view(pair, length):
@@ -302,13 +298,13 @@ def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, 
     row = new(M, N) if rowwise else None
     col = new(N, col_length) if columnwise else None
     if M and N:
-        block_n, vec, warps = _tile_columns(x, tile or _CAST_TILE[rht and columnwise])
+        block_n, vec, warps = _tile_columns(x, tile or _CAST_TILE["nearest" if keys is None else "stochastic"])
         some = row or col
         _cast_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
             x, M, N, x.stride(0), global_amax, column_amax, keys if keys is not None else global_amax,
             *(_int32_view(row, N) if row else some), *(_int32_view(col, col_length) if col else some), col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
-            ROW_INT32=N % 8 == 0, COL_INT32=col_length % 8 == 0, BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
+            ROW_INT32=N % 8 == 0, COL_INT32=col_length % 8 == 0, WIDE=_wide_pairs(M, N, col_length), BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
         )
     as_scales = lambda pair: None if pair is None else (pair[0], pair[1].view(torch.float8_e4m3fn))
     return as_scales(row), as_scales(col)
@@ -355,8 +351,9 @@ def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCAL
     else:
         packed = tl.load(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes), other=0).to(tl.int32)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_C))
-    magnitude = _e2m1_magnitude(codes & 7)
-    q = tl.where((codes & 8) != 0, magnitude * -1.0, magnitude)  # -0 for code 8 (not 0 - x)
+    # The code's magnitude bits at fp32's bits 22-24 make q * 2**-126 (E2M1's exponent bias is 1;
+    # 0.5 lands on the subnormal 2**-127), its sign bit at bit 31: -0 for code 8.
+    q = (((codes & 7) << 22) | ((codes & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
     scale_codes = tl.load(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], mask=block_mask, other=0)
     scale = _e4m3_value(scale_codes.to(tl.int32))
     values = tl.reshape(tl.reshape(q, (BLOCK_R, BLOCK_C // 16, 16)) * scale[:, :, None], (BLOCK_R, BLOCK_C))

@@ -23,7 +23,8 @@ def varied(rows, cols, seed=0):
 
 # ---- stochastic rounding's draws ------------------------------------------------------------------
 def numpy_draws(k0, k1, rows, cols):
-    """The definition, in uint64 arithmetic masked to 32 bits: u = (mix(mix(lo ^ k0) ^ hi ^ k1) >> 8) / 2**24."""
+    """The definition, in uint64 arithmetic masked to 32 bits: elements 2j and 2j+1 of row r share
+    h = mix(lo(p) ^ k0 ^ mix(hi(p) ^ k1)), p = r*ceil(cols/2) + j, and draw its low and high 16 bits / 2**16."""
     low32 = np.uint64(0xFFFFFFFF)
 
     def mix(h):
@@ -31,9 +32,13 @@ def numpy_draws(k0, k1, rows, cols):
         h = ((h ^ (h >> np.uint64(15))) * np.uint64(0x735A2D97)) & low32
         return h ^ (h >> np.uint64(15))
 
-    index = np.arange(rows * cols, dtype=np.uint64).reshape(rows, cols)
-    bits = mix(mix((index & low32) ^ np.uint64(k0)) ^ (index >> np.uint64(32)) ^ np.uint64(k1))
-    return (bits >> np.uint64(8)).astype(np.float64) / 2.0**24
+    draws = np.empty((rows, cols))
+    for r in range(rows):
+        for c in range(cols):
+            p = np.uint64(r * ((cols + 1) // 2) + c // 2)
+            h = mix((p & low32) ^ np.uint64(k0) ^ mix((p >> np.uint64(32)) ^ np.uint64(k1)))
+            draws[r, c] = float((h >> np.uint64(16 * (c % 2))) & np.uint64(0xFFFF)) / 2.0**16
+    return draws
 
 
 def test_stochastic_draws_follow_their_definition():
@@ -42,13 +47,14 @@ def test_stochastic_draws_follow_their_definition():
     assert draws.dtype == torch.float32
     np.testing.assert_array_equal(draws.double().numpy(), numpy_draws(0xDEADBEEF, 0x12345678, 37, 45))
     assert 0.45 < float(draws.mean()) < 0.55  # 1665 draws in [0, 1)
+    assert len(torch.unique(draws)) > 1600  # distinct, the two halves of a hash included
 
 
-def test_stochastic_draws_past_two_to_the_32_elements_use_the_high_word():
+def test_stochastic_draws_past_two_to_the_32_pairs_use_the_high_word():
     keys = torch.tensor([7, 9], dtype=torch.int64)
-    index = torch.tensor([5, 5 + 2**32])
-    bits = nvfp4.mix32(nvfp4.mix32((index & 0xFFFFFFFF) ^ keys[0]) ^ (index >> 32) ^ keys[1])
-    assert bits[0] != bits[1]
+    p = torch.tensor([5, 5 + 2**32])
+    hashes = nvfp4.mix32((p & 0xFFFFFFFF) ^ keys[0] ^ nvfp4.mix32((p >> 32) ^ keys[1]))
+    assert hashes[0] != hashes[1]
 
 
 def test_a_stochastic_cast_draws_its_keys_from_torch_generator():

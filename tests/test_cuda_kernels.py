@@ -344,7 +344,7 @@ def test_nvfp4_cast_is_the_same_bits_for_every_tile(name, tile):
 
     x = hard_input(80, 1000, torch.bfloat16)
     quantizer = NV_QUANTIZERS[name]()
-    with mock.patch.dict(nvfp4._CAST_TILE, {False: tile, True: tile}):
+    with mock.patch.dict(nvfp4._CAST_TILE, {"nearest": tile, "stochastic": tile}):
         fast = nv_raw(quantizer.quantize(x))
     with reference_kernels():
         reference = nv_raw(NV_QUANTIZERS[name]().quantize(x))

@@ -85,11 +85,15 @@ def e2m1_codes_stochastic(v: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 
 # ---- stochastic rounding's random draws -----------------------------------------------------------
 # Counter-based, so the CUDA kernel and this reference draw the same numbers: a cast takes two 32-bit
-# keys per direction from torch's generator (`draw_keys`, on the tensor's device: no host sync), and
-# element i (row-major) of the matrix quantized along its rows draws
-#     u = (mix(mix(lo(i) ^ k0) ^ hi(i) ^ k1) >> 8) * 2**-24,
-# mix being a 32-bit xor-shift-multiply finaliser (a bijection, so no two elements of one 2**32 run
-# share a draw). A seed, through torch.manual_seed or the quantizer's own generator, reproduces a cast.
+# keys per direction from torch's generator (`draw_keys`, on the tensor's device: no host sync). In
+# the matrix quantized along its rows, elements 2j and 2j+1 of row r make pair p = r*ceil(cols/2) + j,
+# whose hash
+#     h = mix(lo(p) ^ k0 ^ mix(hi(p) ^ k1))
+# gives element 2j the draw (h & 0xFFFF) * 2**-16 and element 2j+1 the draw (h >> 16) * 2**-16; mix
+# is a 32-bit xor-shift-multiply finaliser (a bijection, so no two pairs of one 2**32 run share a
+# hash). 16 bits resolve the rounding probability to 2**-16 of a grid step, one hash serves two
+# elements, and both elements of a pair sit in one GPU thread in either direction.
+# A seed, through torch.manual_seed or the quantizer's own generator, reproduces a cast.
 _MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
 _LOW32 = 0xFFFFFFFF
 
@@ -113,10 +117,12 @@ def mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_draws(keys: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """fp32 draws in [0, 1), multiples of 2**-24, for the [rows, cols] matrix under `keys` (k0, k1)."""
-    index = torch.arange(rows * cols, device=keys.device, dtype=torch.int64).reshape(rows, cols)
-    bits = mix32(mix32((index & _LOW32) ^ keys[0]) ^ (index >> 32) ^ keys[1])
-    return (bits >> 8).float() * 2.0**-24
+    """fp32 draws in [0, 1), multiples of 2**-16, for the [rows, cols] matrix under `keys` (k0, k1)."""
+    pairs = (cols + 1) // 2
+    p = torch.arange(rows, device=keys.device, dtype=torch.int64)[:, None] * pairs + torch.arange(pairs, device=keys.device)
+    h = mix32((p & _LOW32) ^ keys[0] ^ mix32((p >> 32) ^ keys[1]))
+    halves = torch.stack((h & 0xFFFF, h >> 16), dim=-1).reshape(rows, 2 * pairs)[:, :cols]
+    return halves.float() * 2.0**-16
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
