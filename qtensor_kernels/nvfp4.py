@@ -269,9 +269,11 @@ _DEQUANTIZE_TILE = (32, 256, 4)
 
 def _tile_columns(x, tile):
     """(BLOCK_N, VEC, warps) of a tile of 16 rows whose 32 * warps threads each load VEC elements
-    (`tile` = (warps, bytes)) of each row."""
+    (`tile` = (warps, bytes), at least 2 elements) of each row."""
     warps, row_bytes = tile
-    vec = max(row_bytes // x.element_size(), 1)
+    # At least 2: stochastic rounding's draw pairs (neighbouring columns) then sit in one thread.
+    # (With one column per thread, fp32 stochastic casts came out wrong on an H200, Triton 3.6.)
+    vec = max(row_bytes // x.element_size(), 2)
     return vec * 32 * warps, vec, warps
 
 
