@@ -91,17 +91,20 @@ def _mix32(h):
 
 
 @triton.jit
-def _pair_draws(keys_ptr, pairs, WIDE: tl.constexpr):
-    """nvfp4.uniform_draws of the pairs at (int64) indices `pairs`, under the keys at keys_ptr (k0,
-    k1): (the draws of their first elements, of their second). Unless WIDE, every index is below
-    2**32, so its high word is 0."""
+def _pair_draws(keys_ptr, row, pair, pairs_per_row, WIDE: tl.constexpr):
+    """nvfp4.uniform_draws of the pairs `pair` of rows `row` (broadcast together), under the keys at
+    keys_ptr (k0, k1): (the draws of their first elements, of their second). Unless WIDE, every
+    pair index is below 2**32: it is computed in 32 bits and its high word is 0."""
     k0 = tl.load(keys_ptr).to(tl.uint32)
     k1 = tl.load(keys_ptr + 1).to(tl.uint32)
     if WIDE:
-        high = _mix32((pairs >> 32).to(tl.uint32) ^ k1)
+        index = row.to(tl.int64) * pairs_per_row + pair
+        low = (index & 0xFFFFFFFF).to(tl.uint32)
+        high = _mix32((index >> 32).to(tl.uint32) ^ k1)
     else:
+        low = row.to(tl.uint32) * pairs_per_row.to(tl.uint32) + pair.to(tl.uint32)
         high = _mix32(k1)
-    h = _mix32((pairs & 0xFFFFFFFF).to(tl.uint32) ^ k0 ^ high)
+    h = _mix32(low ^ k0 ^ high)
     # Each 16-bit half n as an fp32 integer without a conversion instruction: (2**23 + n) - 2**23.
     first = ((h & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     second = ((h >> 16) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -167,19 +170,9 @@ def _load_tile(x_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
-    """The rowwise copy of the tile x [16, BLOCK_N] (blocks of 16 along each row, their amaxes
-    `amax` [16, BLOCK_N/16]) into data [M, ceil(N/2)] (as int32 [M, N/8] with INT32) and scale
-    [M, ceil(N/16)]."""
-    scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
-    scaled = tl.reshape(x, (16, BLOCK_N // 16, 16)) * encode[:, :, None]
-    draws = scaled  # unused without STOCHASTIC
-    if STOCHASTIC:  # pairs of neighbouring columns
-        pair_cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        first, second = _pair_draws(keys_ptr, rows[:, None] * ((N + 1) // 2) + pair_cols[None, :], WIDE)
-        draws = tl.reshape(tl.join(first, second), (16, BLOCK_N))
-    codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), draws, STOCHASTIC)
-    codes = tl.reshape(tl.where((scale_code == _E4M3_NAN)[:, :, None], 0, tl.reshape(codes, (16, BLOCK_N // 16, 16))), (16, BLOCK_N))
+def _store_rows(codes, scale_code, rows, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, INT32: tl.constexpr):
+    """The rowwise codes [16, BLOCK_N] of a tile into data [M, ceil(N/2)] (as int32 [M, N/8] with
+    INT32), its scale codes [16, BLOCK_N/16] into scale [M, ceil(N/16)]."""
     inside = rows[:, None] < M
     if INT32:  # 8 codes (one thread's) per word, element 8w + i in nibble i
         words = tl.sum(tl.reshape(codes, (16, BLOCK_N // 8, 8)) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
@@ -196,18 +189,10 @@ def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr
 
 
 @triton.jit
-def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
-    """The columnwise copy of the tile x [16, BLOCK_N] (one block down each column, its amax
-    `amax` [BLOCK_N]): column n is row n of data [N, ceil(length/2)] (int32 [N, length/8] with
-    INT32) and of scale [N, ceil(length/16)]."""
-    scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
-    draws = x  # unused without STOCHASTIC
-    if STOCHASTIC:  # pairs of neighbouring rows, in one thread
-        pair_rows = tl.program_id(0) * 8 + tl.arange(0, 8)
-        first, second = _pair_draws(keys_ptr, cols[None, :] * ((length + 1) // 2) + pair_rows[:, None], WIDE)
-        draws = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (16, BLOCK_N))
-    codes = _e2m1_codes(x * encode[None, :], draws, STOCHASTIC)
-    codes = tl.where((scale_code == _E4M3_NAN)[None, :], 0, codes)
+def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, INT32: tl.constexpr):
+    """The columnwise codes [16, BLOCK_N] of a tile (column n is row n of the stored matrix) into
+    data [N, ceil(length/2)] (int32 [N, length/8] with INT32), its scale codes [BLOCK_N] into
+    scale [N, ceil(length/16)]."""
     inside = cols[None, :] < N
     if INT32:  # rows 8h..8h+7 of a column in word h
         words = tl.sum(tl.reshape(codes, (2, 8, BLOCK_N)) << (tl.arange(0, 8) * 4)[None, :, None], axis=1)
@@ -219,6 +204,51 @@ def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_
         row_bytes = tl.cdiv(length, 2)
         tl.store(data_ptr + cols[None, :] * row_bytes + byte_rows[:, None], (low | (high << 4)).to(tl.uint8), mask=inside & (byte_rows[:, None] < row_bytes))
     tl.store(scale_ptr + cols * tl.cdiv(length, 16) + tl.program_id(0), scale_code.to(tl.uint8), mask=cols < N)
+
+
+@triton.jit
+def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
+    """The rowwise copy of the tile x [16, BLOCK_N], blocks of 16 along each row with amaxes
+    `amax` [16, BLOCK_N/16] (see _store_rows)."""
+    scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
+    scaled = tl.reshape(x, (16, BLOCK_N // 16, 16)) * encode[:, :, None]
+    draws = scaled  # unused without STOCHASTIC
+    if STOCHASTIC:  # pairs of neighbouring columns
+        pair_cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        first, second = _pair_draws(keys_ptr, rows[:, None], pair_cols[None, :], (N + 1) // 2, WIDE)
+        draws = tl.reshape(tl.join(first, second), (16, BLOCK_N))
+    codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), draws, STOCHASTIC)
+    codes = tl.reshape(tl.where((scale_code == _E4M3_NAN)[:, :, None], 0, tl.reshape(codes, (16, BLOCK_N // 16, 16))), (16, BLOCK_N))
+    _store_rows(codes, scale_code, rows, data_ptr, scale_ptr, M, N, BLOCK_N, INT32)
+
+
+@triton.jit
+def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
+    """The columnwise copy of the tile x [16, BLOCK_N], one block down each column with amax
+    `amax` [BLOCK_N] (see _store_columns)."""
+    scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
+    draws = x  # unused without STOCHASTIC
+    if STOCHASTIC:  # pairs of neighbouring rows, in one thread
+        pair_rows = tl.program_id(0) * 8 + tl.arange(0, 8)
+        first, second = _pair_draws(keys_ptr, cols[None, :], pair_rows[:, None], (length + 1) // 2, WIDE)
+        draws = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (16, BLOCK_N))
+    codes = _e2m1_codes(x * encode[None, :], draws, STOCHASTIC)
+    codes = tl.where((scale_code == _E4M3_NAN)[None, :], 0, codes)
+    _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, N, length, BLOCK_N, INT32)
+
+
+@triton.jit
+def _quantize_tiles(x, s_enc_ptr, rows, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, N, length,
+                    BLOCK_N: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr):
+    """Both copies of the tile x [16, BLOCK_N] in 16x16 tiles, rounded to nearest: every element has
+    one scale and one S_enc in both directions (no transform), so one code serves both copies."""
+    scale_code, encode = _block_encode(_tile_amaxes(x, BLOCK_N), _encode_scale(tl.load(s_enc_ptr)))
+    encode_cols = tl.reshape(tl.broadcast_to(encode[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
+    nan_cols = tl.reshape(tl.broadcast_to((scale_code == _E4M3_NAN)[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
+    codes = tl.where(nan_cols[None, :], 0, _e2m1_codes(x * encode_cols[None, :], x, False))
+    _store_rows(codes, tl.broadcast_to(scale_code[None, :], (16, BLOCK_N // 16)), rows, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, ROW_INT32)
+    scale_cols = tl.reshape(tl.broadcast_to(scale_code[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
+    _store_columns(codes, scale_cols, cols, col_data_ptr, col_scale_ptr, N, length, BLOCK_N, COL_INT32)
 
 
 @triton.jit
@@ -249,14 +279,17 @@ def _cast_kernel(
     STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
 ):
     rows, cols, x = _load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
-    if ROWWISE:  # blocks of 16 along each row: VEC elements in each of 16/VEC adjacent threads
-        if BLOCK_2D:  # one amax per 16x16 tile, for both directions
-            amax = tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[None, :], (16, BLOCK_N // 16))
-        else:
-            amax = _block_amax(tl.reshape(tl.abs(x), (16, BLOCK_N // 16, 16)), 2)
-        _quantize_rows(x, amax, row_amax_ptr, keys_ptr, rows, cols, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE)
-    if COLUMNWISE:
-        _cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE)
+    if BLOCK_2D and ROWWISE and COLUMNWISE and not STOCHASTIC:  # one code per element serves both
+        _quantize_tiles(x, row_amax_ptr, rows, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, N, col_length, BLOCK_N, ROW_INT32, COL_INT32)
+    else:
+        if ROWWISE:  # blocks of 16 along each row: VEC elements in each of 16/VEC adjacent threads
+            if BLOCK_2D:  # one amax per 16x16 tile, for both directions
+                amax = tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[None, :], (16, BLOCK_N // 16))
+            else:
+                amax = _block_amax(tl.reshape(tl.abs(x), (16, BLOCK_N // 16, 16)), 2)
+            _quantize_rows(x, amax, row_amax_ptr, keys_ptr, rows, cols, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE)
+        if COLUMNWISE:
+            _cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE)
 
 
 # (warps, bytes each thread loads from a row) of the cast (by its rounding) and of the
