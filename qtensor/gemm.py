@@ -120,9 +120,11 @@ def _dequantized_bf16_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype
     del a16, b16  # the bf16 operands live for the GEMM only
     if a_scale is None and b_scale is None:
         return _finish(product, bias, out_dtype)
-    scale = b_scale if a_scale is None else (a_scale if b_scale is None else a_scale * b_scale)
     kernel = lookup("gemm.scale_output", product)
-    return kernel(product, scale, bias, out_dtype) if kernel is not None else _scale_and_finish(product, scale, bias, out_dtype)
+    if kernel is not None:  # the tensor scales are computed inside the epilogue: no extra launches
+        return kernel(product, a_scale, b_scale, bias, out_dtype)
+    scale = b_scale.value() if a_scale is None else (a_scale.value() if b_scale is None else a_scale.value() * b_scale.value())
+    return _scale_and_finish(product, scale, bias, out_dtype)
 
 
 def _scale_and_finish(product, scale, bias, out_dtype) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .numerics import cast_saturating, ceil_div
+from .numerics import cast_saturating, ceil_div, fp32, scale_from_amax
 
 DIRECTIONS = ("rowwise", "columnwise")
 
@@ -71,6 +71,23 @@ def _buffer_names(cls, direction: str, options: tuple) -> tuple[str, ...]:
 _BUFFER_NAMES: dict[tuple, tuple[str, ...]] = {}
 
 
+@dataclass(frozen=True)
+class TensorScale:
+    """The fp32 factor that multiplies a GEMM's fp32 result for one bf16 operand
+    (`Storage.bf16_operand`): `tensor` itself (a 0-d fp32 scale_inv), or, given `amax_max`, the
+    inverse of the encode scale `scale_from_amax(tensor, amax_max)` of the global amax `tensor`
+    (NVFP4's 1/S_enc), left for the GEMM's epilogue kernel to compute where it applies it."""
+
+    tensor: torch.Tensor
+    amax_max: float | None = None
+
+    def value(self) -> torch.Tensor:
+        """The factor as a 0-d fp32 tensor (the reference computation)."""
+        if self.amax_max is None:
+            return self.tensor
+        return fp32(1.0, self.tensor.device) / scale_from_amax(self.tensor, self.amax_max)
+
+
 class Storage:
     """Base class. A subclass sets `format_name`, `directions` and `option_values` (each format
     option besides direction and size, e.g. `fp8_dtype`, with the values it may take) and implements
@@ -117,9 +134,9 @@ class Storage:
         that writes `dtype` directly overrides this)."""
         return cast_saturating(self.dequantize(), dtype)
 
-    def bf16_operand(self) -> "tuple[torch.Tensor, torch.Tensor | None] | None":
+    def bf16_operand(self) -> "tuple[torch.Tensor, TensorScale | None] | None":
         """This storage as an operand of a GEMM on the bf16 tensor cores, where bf16 holds its values
-        exactly: (bf16 values with the reduction dimension last, an fp32 0-d scale that multiplies
+        exactly: (bf16 values with the reduction dimension last, the TensorScale that multiplies
         the GEMM's fp32 result, or None); None for a format without such a form."""
         return None
 

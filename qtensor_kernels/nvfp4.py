@@ -102,7 +102,7 @@ def _pair_draws(keys_ptr, row, pair, pairs_per_row, WIDE: tl.constexpr):
         low = (index & 0xFFFFFFFF).to(tl.uint32)
         high = _mix32((index >> 32).to(tl.uint32) ^ k1)
     else:
-        low = row.to(tl.uint32) * pairs_per_row.to(tl.uint32) + pair.to(tl.uint32)
+        low = row.to(tl.uint32) * pairs_per_row + pair.to(tl.uint32)  # (pairs_per_row may be a constant 1)
         high = _mix32(k1)
     h = _mix32(low ^ k0 ^ high)
     # Each 16-bit half n as an fp32 integer without a conversion instruction: (2**23 + n) - 2**23.

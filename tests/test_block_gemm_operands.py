@@ -80,9 +80,9 @@ def test_nvfp4_bf16_operand_times_its_tensor_scale_is_the_dequantized_value(opti
     x = varied(70, 96)
     storage = getattr(qtensor.NVFP4Quantizer(**NVFP4_OPTIONS[options]).quantize(x), direction)
     values, tensor_scale = storage.bf16_operand()
-    assert values.dtype == torch.bfloat16 and tensor_scale.shape == ()
+    assert values.dtype == torch.bfloat16 and tensor_scale.value().shape == ()
     expected = oracle.nvfp4(x.numpy(), direction, **NVFP4_OPTIONS[options])
-    oracle.assert_same_bits(values.float() * tensor_scale, expected.deq_storage, f"{direction} operand")
+    oracle.assert_same_bits(values.float() * tensor_scale.value(), expected.deq_storage, f"{direction} operand")
 
 
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -99,7 +99,7 @@ def test_mxfp8_and_float8_bf16_operands_hold_their_values(direction, fp8_dtype):
     q = qtensor.Float8Quantizer(fp8_dtype).quantize(x)
     values, tensor_scale = getattr(q, direction).bf16_operand()
     expected = oracle.float8_current(x.numpy(), "e4m3" if fp8_dtype == torch.float8_e4m3fn else "e5m2")
-    oracle.assert_same_bits(k_last(values.float() * tensor_scale), expected.deq, f"Float8 {direction}")
+    oracle.assert_same_bits(k_last(values.float() * tensor_scale.value()), expected.deq, f"Float8 {direction}")
 
 
 def test_every_pair_of_block_and_per_tensor_formats_has_a_fast_gemm():

@@ -428,6 +428,7 @@ def test_nvfp4_dequantize_kernel_equals_the_reference(name, direction, out_dtype
     fast_values, fast_scale = storage.bf16_operand()
     with reference_kernels():
         reference_values, reference_scale = storage.bf16_operand()
+    fast_scale, reference_scale = fast_scale.value(), reference_scale.value()
     assert torch.equal(torch.isnan(fast_values), torch.isnan(reference_values))
     assert torch.equal(same_bits(fast_values), same_bits(reference_values))
     assert torch.equal(fast_scale, reference_scale)
@@ -453,13 +454,26 @@ def test_hybrid_gemms_on_bf16_tensor_cores_agree_with_the_reference(out_dtype):
     check_the_three_gemms(qtensor.MXFP8Quantizer, float8_nvfp4, "dequantized_bf16_mm", out_dtype, FP32_ACCUMULATION)
 
 
+@pytest.mark.parametrize("scales", ["inverse", "nvfp4", "nvfp4_and_inverse", "nvfp4_pair", "nvfp4_zero_amax"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_scaled_gemm_epilogue_kernel_is_bitwise_the_reference(out_dtype, with_bias):
+def test_scaled_gemm_epilogue_kernel_is_bitwise_the_reference(out_dtype, with_bias, scales):
+    """The tensor scales computed in the kernel (NVFP4's 1/S_enc from the amax) as TensorScale.value."""
+    from qtensor.storage import TensorScale
+
     product = varied(130, 96, 5) * 1e3
-    scale = torch.tensor(3.7e-5, device="cuda")
+    inverse = TensorScale(torch.tensor(3.7e-5, device="cuda"))
+    nvfp4 = lambda amax: TensorScale(torch.tensor(amax, device="cuda"), amax_max=448.0 * 6)
+    a_scale, b_scale = {
+        "inverse": (inverse, None),
+        "nvfp4": (None, nvfp4(17.3)),
+        "nvfp4_and_inverse": (nvfp4(1e-3), inverse),
+        "nvfp4_pair": (nvfp4(3.1e5), nvfp4(2.5e-38)),
+        "nvfp4_zero_amax": (nvfp4(0.0), nvfp4(7.0)),
+    }[scales]
     bias = varied(1, 96, 6)[0].to(torch.bfloat16) if with_bias else None
-    fast = lookup("gemm.scale_output", product)(product, scale, bias, out_dtype)
+    fast = lookup("gemm.scale_output", product)(product, a_scale, b_scale, bias, out_dtype)
+    scale = b_scale.value() if a_scale is None else (a_scale.value() if b_scale is None else a_scale.value() * b_scale.value())
     reference = gemm._scale_and_finish(product, scale, bias, out_dtype)
     assert torch.equal(fast, reference)
 

@@ -19,7 +19,7 @@ from ..numerics import (
 )
 from ..kernels import lookup
 from ..quantizer import Quantizer
-from ..storage import Buffer, Storage
+from ..storage import Buffer, Storage, TensorScale
 from ..tensor import QuantizedTensor
 
 
@@ -82,7 +82,7 @@ class Float8Storage(Storage):
 
     def bf16_operand(self):
         # The codes themselves (E4M3 and E5M2 are exact in bf16), the tensor scale applied to the result.
-        return self.data.to(torch.bfloat16), self.scale_inv
+        return self.data.to(torch.bfloat16), TensorScale(self.scale_inv)
 
     def to_direction(self, direction: str) -> "Float8Storage":
         if direction == self.direction:

@@ -17,7 +17,7 @@ from ..numerics import (
 )
 from ..kernels import lookup
 from ..quantizer import Quantizer
-from ..storage import Buffer, Storage
+from ..storage import Buffer, Storage, TensorScale
 from ..tensor import QuantizedTensor
 
 BLOCK_SIZE = 16
@@ -262,7 +262,7 @@ class NVFP4Storage(Storage):
         else:
             q = e2m1_values(unpack_nibbles(self.data, length))
             values = (q * expand_blocks(self.scale_inv.float(), BLOCK_SIZE, length)).to(torch.bfloat16)
-        return values, self.tensor_scale_inv()
+        return values, TensorScale(self.global_amax, amax_max=448.0 * E2M1_MAX)
 
     def tensor_scale_inv(self) -> torch.Tensor:
         """1/S_enc (0-d fp32), the factor the dequantized value takes after q * float(s)."""
