@@ -10,9 +10,15 @@ scale), bit-identical to the pure-torch reference in qtensor/formats/nvfp4.py (D
 - `dequantize(data, scale_inv, length, out_dtype, global_amax=None)`: codes times their block
   scale, times 1/S_enc when `global_amax` is given, rounded once to `out_dtype`.
 
-Every conversion to and from E4M3 and E2M1 is integer arithmetic on the bit patterns, so nothing
-depends on the device's conversion instructions; every division is IEEE round-to-nearest, and the
-kernels are compiled without fused multiply-adds (each product is rounded, as in the reference).
+The layout: a cast tile is 16 rows, each thread holding VEC adjacent columns of all 16 (`_load_tile`),
+so a column's block of 16, and the Hadamard transform down it, are one thread's registers, and a
+row's block spans 16/VEC adjacent threads; nothing goes through shared memory but the stores.
+
+The numerics: E2M1 rounding is exact floating-point arithmetic (`_e2m1_nearest`,
+`_e2m1_stochastic`), the block scale's rounding to E4M3 is the device's conversion (round to
+nearest even, as torch's), decoding is integer arithmetic on the bit patterns; every division is
+IEEE round-to-nearest, and the kernels are compiled without fused multiply-adds (each product is
+rounded, as in the reference).
 """
 
 import torch
