@@ -142,6 +142,26 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
+def _pack_saved(tensor: torch.Tensor | None):
+    """(the plain tensors to save for backward, how to rebuild `tensor` from them): a quantized tensor
+    is saved as its buffers, so every saved-tensor hook (save_on_cpu, pinned or not, activation
+    checkpointing, offloading hooks) moves and measures plain bytes, and never turns the quantized
+    copy into a high-precision one (a plain pinned buffer copied from it would dequantize it)."""
+    if not isinstance(tensor, QuantizedTensor):
+        return [tensor], None
+    names, context = tensor.__tensor_flatten__()
+    # `.data`: the buffers' own version counters stay out of autograd's check, as they were when the
+    # wrapper was saved (FSDP2 gathers a weight into the same buffers again before the backward).
+    return [getattr(tensor, name).data for name in names], (type(tensor), names, context, tensor.shape, tensor.stride())
+
+
+def _unpack_saved(tensors, rebuild) -> torch.Tensor | None:
+    if rebuild is None:
+        return tensors[0]
+    cls, names, context, shape, stride = rebuild
+    return cls.__tensor_unflatten__(dict(zip(names, tensors)), context, shape, stride)
+
+
 class QuantizedLinearFunction(torch.autograd.Function):
     """y = x · Wᵀ + b with each GEMM on the operands the layer's quantizers chose.
 
@@ -170,10 +190,9 @@ class QuantizedLinearFunction(torch.autograd.Function):
         else:  # high_precision: the original operands (a quantized parameter has no other)
             original_w = weight.dequantize() if isinstance(weight, QuantizedTensor) and input_needs_grad else _plain(weight)
             saved_x, saved_w = (x2d, None), (original_w, None)
-        ctx.save_for_backward(
-            _only(*saved_x) if weight_needs_grad else None,
-            _only(*saved_w) if input_needs_grad else None,
-        )
+        x_tensors, ctx.x_rebuild = _pack_saved(_only(*saved_x) if weight_needs_grad else None)
+        w_tensors, ctx.w_rebuild = _pack_saved(_only(*saved_w) if input_needs_grad else None)
+        ctx.save_for_backward(*x_tensors, *w_tensors)
         ctx.linear = linear
         ctx.needs_grad = (input_needs_grad, weight_needs_grad)
         ctx.x_meta = (x.shape, x.dtype)
@@ -188,7 +207,9 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
         hand_over_at_end_of_backward()
         _last_input_cast[0] = None  # the forward is over: the last input cast is freed
-        saved_x, saved_w = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        split = len(saved) - len(ctx.w_rebuild[1] if ctx.w_rebuild else [None])
+        saved_x, saved_w = _unpack_saved(saved[:split], ctx.x_rebuild), _unpack_saved(saved[split:], ctx.w_rebuild)
         input_needs_grad, weight_needs_grad = ctx.needs_grad
         linear = ctx.linear
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])

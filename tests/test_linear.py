@@ -141,14 +141,19 @@ def saved_by_forward(layer, x):
 
 @pytest.mark.parametrize("override,direction", [(None, "columnwise"), ("dequantized", "rowwise")])
 def test_only_what_the_backward_reads_is_saved(override, direction):
-    # A frozen weight saves no input; an input that needs no gradient saves no weight.
-    for frozen, expected_rows in (("nothing", {48, N}), ("weight", {N}), ("input", {48})):
+    # A frozen weight saves no input; an input that needs no gradient saves no weight. A quantized
+    # operand is saved as the buffers of the one direction the backward reads.
+    for frozen, expected in (("nothing", {"x", "w"}), ("weight", {"w"}), ("input", {"x"})):
         layer, x, _ = build("mxfp8", "dynamic", override, frozen)
-        saved = saved_by_forward(layer, x)
-        assert {t.shape[0] for t in saved} == expected_rows, frozen
-        for tensor in saved:
-            assert isinstance(tensor, qtensor.MXFP8Tensor)
-            assert (tensor.has_rowwise, tensor.has_columnwise) == (direction == "rowwise", direction == "columnwise")
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # the hooks see plain tensors only
+            grad_fn = layer(x).grad_fn
+        rebuilds = {"x": grad_fn.x_rebuild, "w": grad_fn.w_rebuild}
+        assert {name for name, rebuild in rebuilds.items() if rebuild is not None} == expected, frozen
+        for rebuild in filter(None, rebuilds.values()):
+            cls, names, *_ = rebuild
+            assert cls is qtensor.MXFP8Tensor
+            assert sorted(names) == [f"{direction}__data", f"{direction}__scale_inv"]
+        assert all(type(t) is torch.Tensor for t in grad_fn.saved_tensors if t is not None)
 
 
 def test_high_precision_override_saves_the_original_operands():
