@@ -181,7 +181,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
         )
 
         y = gemm.fprop(x_q, w_q, bias, _output_dtype(x, weight))
-        out = y.reshape(*x.shape[:-1], y.shape[-1])
+        # Not a view of y (torch._unsafe_view, as torch's own linear): FSDP2 warns about modules returning views.
+        out = torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
         if override is None:
             saved_x, saved_w = (x_q, "columnwise"), (w_q, "columnwise")

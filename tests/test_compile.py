@@ -39,3 +39,80 @@ def test_a_slice_compiles_and_keeps_its_format():
     compiled = torch.compile(lambda q: q[32:].dequantize(), fullgraph=True, backend=counter)
     q = qtensor.MXFP8Quantizer().quantize(torch.randn(64, 32))
     assert torch.equal(compiled(q), q.dequantize()[32:])
+
+
+# ---- a quantize_'d model, compiled ------------------------------------------------------------------
+import copy  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+STATELESS_RECIPES = ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+
+
+def mlp(recipe, weights, override=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    qtensor.quantize_(model, qtensor.Recipe(getattr(qtensor.recipes, recipe)(), backward_override=override), weights=weights)
+    return model
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", STATELESS_RECIPES)
+def test_a_quantized_model_compiles_without_graph_breaks(recipe, weights):
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(mlp(recipe, weights))(torch.randn(16, 64))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def _step(model, x, seed):
+    torch.manual_seed(seed)  # stochastic rounding draws its keys from torch's generator
+    model(x).float().square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():  # plain SGD on the high-precision values (dynamic weights)
+            if not isinstance(p, qtensor.QuantizedTensor):
+                p -= 0.01 * p.grad
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", STATELESS_RECIPES)
+def test_compiled_training_matches_eager_and_does_not_recompile(recipe, weights, override):
+    """Forward and backward through AOT autograd (the layer the tensor subclasses go through), three
+    steps with new inputs and updated weights: the same outputs and gradients as eager, one frame."""
+    eager = mlp(recipe, weights, override)
+    compiled_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_model, backend=counter)
+    for step in range(3):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+        torch.manual_seed(10 + step)
+        expected_out = eager(x)
+        torch.manual_seed(10 + step)
+        got_out = compiled(x)
+        torch.testing.assert_close(got_out, expected_out, rtol=1e-5, atol=1e-5)
+        for got, expected in zip(_step(compiled, x, step), _step(eager, x, step)):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+INDUCTOR_CASES = [
+    "float8_current",
+    pytest.param("mxfp8", marks=pytest.mark.xfail(strict=True, reason="inductor (torch 2.13, CPU) fails an indexing assertion on the MXFP8 reference cast; docs/limitations.md")),
+    "nvfp4",
+    "mxfp8_fwd_nvfp4_bwd",
+]
+
+
+@pytest.mark.parametrize("recipe", INDUCTOR_CASES)
+def test_a_compiled_model_runs_under_inductor(recipe):
+    """The default backend generates code for the quantized path's reference casts and GEMMs."""
+    torch._dynamo.reset()
+    eager = mlp(recipe, "dynamic")
+    compiled = torch.compile(copy.deepcopy(eager))
+    x = torch.randn(16, 64)
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
