@@ -1,11 +1,11 @@
 """Training speed of every recipe on one GPU, in one run: a linear layer, the cast kernels, a stack of
 Llama-3-8B-shaped decoder blocks.
 
-    python benchmarks/bench_linear.py [--recipes ...] [--blocks N] [--skip-stack]
+    python benchmarks/bench_linear.py [--recipes ...] [--blocks N] [--skip-stack] [--compiled]
 
 1. One linear layer's forward+backward, (M, K, N) from the issue: bf16 `nn.Linear` (eager and
-   compiled), each qtensor recipe (eager), and torchao's `Float8Linear` (tensorwise and rowwise,
-   eager and compiled) where torchao is importable. bf16 parameters and inputs, no bias. qtensor's
+   compiled), each qtensor recipe (eager; with --compiled also under torch.compile), and
+   torchao's `Float8Linear` (tensorwise and rowwise, eager and compiled) where torchao is importable. bf16 parameters and inputs, no bias. qtensor's
    dynamic weight is marked written before every step, so each step casts it, as a training step
    without gradient accumulation does. Time: the median step of 10 run back to back (the host may
    run ahead, as in training; CUDA events around each step) after warm-up.
@@ -53,7 +53,8 @@ def make_linear(system: str, k: int, n: int):
         qtensor.quantize_(layer, getattr(qtensor.recipes, name)())
         weight = layer.weight
         # A write into the weight (what an optimizer step does): the next forward casts it again.
-        return layer, lambda: torch.autograd.graph.increment_version(weight)
+        # (A compiled layer casts at every forward.)
+        return (torch.compile(layer) if compiled else layer), lambda: torch.autograd.graph.increment_version(weight)
     return (torch.compile(layer) if compiled else layer), lambda: None
 
 
@@ -208,10 +209,11 @@ def main():
     parser.add_argument("--skip-stack", action="store_true")
     parser.add_argument("--skip-linear", action="store_true")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="run the first N layer shapes")
+    parser.add_argument("--compiled", action="store_true", help="also each qtensor recipe under torch.compile")
     args = parser.parse_args()
     recipes = args.recipes.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", end="")
-    systems = ["bf16", "bf16 compiled", *recipes]
+    systems = ["bf16", "bf16 compiled", *recipes, *([f"{r} compiled" for r in recipes] if args.compiled else [])]
     if torchao_float8() is not None:
         import torchao
 
