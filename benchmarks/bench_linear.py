@@ -5,8 +5,9 @@ Llama-3-8B-shaped decoder blocks.
 
 1. One linear layer's forward+backward, (M, K, N) from the issue: bf16 `nn.Linear` (eager and
    compiled), each qtensor recipe (eager; with --compiled also under torch.compile), and
-   torchao's `Float8Linear` (tensorwise and rowwise, eager and compiled) where torchao is importable. bf16 parameters and inputs, no bias. qtensor's
-   dynamic weight is marked written before every step, so each step casts it, as a training step
+   torchao's `Float8Linear` (tensorwise and rowwise, eager and compiled) where torchao is
+   importable. bf16 parameters and inputs, no bias. qtensor's dynamic weight is marked written
+   before every step, so each step casts it, as a training step
    without gradient accumulation does. Time: the median step of 10 run back to back (the host may
    run ahead, as in training; CUDA events around each step) after warm-up.
 2. The Float8 kernels alone, launched back to back, as a fraction of the device copy bandwidth
