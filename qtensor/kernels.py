@@ -53,9 +53,12 @@ def reference_kernels():
 
 
 def lookup(name: str, tensor) -> Callable | None:
-    # Under torch.compile the reference is traced instead: inductor fuses it into its own kernels.
-    if _forced_reference[0] or tensor.device.type != "cuda" or torch.compiler.is_compiling() or is_fake(tensor):
+    if _forced_reference[0] or tensor.device.type != "cuda":
         return None
+    if torch.compiler.is_compiling() or is_fake(tensor):
+        # Traced by torch.compile: the kernel as a custom op (qtensor_kernels/compiled.py), which the
+        # compiled graph calls; a kernel without one traces its reference, which inductor fuses.
+        return _compiled_wrappers().get(name)
     if name not in _resolved:
         module_name, function = TABLE[name]
         try:
@@ -66,3 +69,16 @@ def lookup(name: str, tensor) -> Callable | None:
 
 
 _resolved: dict[str, Callable | None] = {}
+
+
+def _compiled_wrappers() -> dict[str, Callable]:
+    if _compiled[0] is None:
+        try:
+            from qtensor_kernels.compiled import WRAPPERS
+        except ImportError:  # no Triton
+            WRAPPERS = {}
+        _compiled[0] = WRAPPERS
+    return _compiled[0]
+
+
+_compiled: list = [None]

@@ -116,3 +116,42 @@ def test_a_compiled_model_runs_under_inductor(recipe):
     compiled = torch.compile(copy.deepcopy(eager))
     x = torch.randn(16, 64)
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+
+
+CUSTOM_OPS = {
+    "float8_current": {"qtensor.float8_cast", "qtensor.amax_partials"},
+    "mxfp8": {"qtensor.mxfp8_cast", "qtensor.mxfp8_dequantize"},
+    "nvfp4": {"qtensor.nvfp4_cast", "qtensor.nvfp4_amaxes", "qtensor.nvfp4_dequantize", "qtensor.scale_output"},
+    "mxfp8_fwd_nvfp4_bwd": {"qtensor.hybrid_cast", "qtensor.nvfp4_cast", "qtensor.scale_output"},
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", STATELESS_RECIPES)
+def test_compiled_graphs_call_the_triton_kernels_as_custom_ops(recipe, weights):
+    """On CUDA the traced forward and backward call the kernels (qtensor_kernels/compiled.py) rather
+    than their references, and the compiled step equals the eager one (inductor, fp32)."""
+    eager = mlp(recipe, weights).cuda()
+    compiled_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    x = torch.randn(64, 64, device="cuda")
+    torch.manual_seed(3)
+    torch.compile(compiled_model, backend=recorder)(x).square().sum().backward()
+    code = "\n".join(g.code for g in recorder.fw_graphs + recorder.bw_graphs)
+    assert all(op in code for op in CUSTOM_OPS[recipe]), (CUSTOM_OPS[recipe], code[:2000])
+    torch._dynamo.reset()
+    inductor = torch.compile(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        torch.manual_seed(step)
+        expected = eager(x)
+        expected.square().sum().backward()
+        torch.manual_seed(step)
+        got = inductor(x)
+        got.square().sum().backward()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for p_eager, p_compiled in zip(eager.parameters(), inductor.parameters()):
+        torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-5, atol=1e-5)

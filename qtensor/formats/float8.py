@@ -171,7 +171,7 @@ class Float8Quantizer(Quantizer):
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         rows, cols = x.shape
-        if lookup("float8.cast", x) is not None:
+        if lookup("float8.cast", x) is not None and (self.scaling == "current" or lookup("float8.delayed_scale", x) is not None):
             row_data, col_data, scale_inv = self._cast_on_device(x, rowwise, columnwise, update_state)
         else:
             scale = self.compute_scale(x)
