@@ -324,4 +324,7 @@ def _write_into(out: QuantizedTensor, gathered: dict[str, Storage]) -> None:
         for name, target in mine.buffers.items():
             if id(target) not in done:
                 done.add(id(target))
-                target.copy_(storage.buffers[name])
+                # The same values gathered again: autograd's saved copies of these buffers (compiled
+                # graphs save them) stay valid, as FSDP2 keeps them for its own unsharded tensors.
+                with torch.autograd._unsafe_preserve_version_counter(target):
+                    target.copy_(storage.buffers[name])

@@ -636,7 +636,8 @@ class DynamicWeight(torch.Tensor):
             (gathered,) = all_gather_outputs
             values = gathered[: outer_size[0]].reshape(outer_size).to(param_dtype)
             if out is not None:
-                out._data.copy_(values)
+                with torch.autograd._unsafe_preserve_version_counter(out._data):  # as fsdp._write_into
+                    out._data.copy_(values)
                 return None
             unsharded = DynamicWeight(values.clone(), self.linear_quantizers)
             return unsharded, (unsharded._data,)

@@ -103,6 +103,10 @@ def train_losses(model: nn.Module, weights: str, outputs: int = OUT) -> list[flo
 
 
 DCP_CASES = [("float8_current", "quantized"), ("hybrid", "quantized"), ("nvfp4", "dynamic")]
+# Compiled blocks under FSDP2 (delayed scaling does not compile yet); aot_eager on the CPU, where
+# inductor's code generation would take minutes, inductor on the GPU.
+COMPILED_CASES = [("float8_current", "dynamic"), ("mxfp8", "quantized"), ("nvfp4", "dynamic"), ("hybrid", "dynamic")]
+COMPILE_BACKEND = "inductor" if os.environ.get("QTENSOR_TEST_DEVICE", "cpu") == "cuda" else "aot_eager"
 
 
 def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
@@ -249,6 +253,15 @@ def run_distributed(out_path: str) -> None:
             dist.all_gather(scales, local.rowwise.scale_inv.clone())
             result["scales"] = [float(x) for x in scales]
         results[("meta", recipe, weights)] = result
+    # torchtitan's order with torch.compile: quantize_, compile each block, fully_shard.
+    for recipe, weights in COMPILED_CASES:
+        if only and only != "compiled":
+            break
+        torch._dynamo.reset()
+        model = build(recipe, weights)
+        for block in model.layers:
+            block.compile(backend=COMPILE_BACKEND)
+        results[("compiled", recipe, weights)] = train(sharded(model, mesh), weights)
     # torch.distributed.checkpoint: 2 -> 2 here, 1 -> 2 from the test's single-process saves, and
     # the 2-rank saves for the test to load into one process (2 -> 1).
     import torch.distributed.checkpoint as dcp

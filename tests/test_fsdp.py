@@ -62,6 +62,15 @@ def test_sharded_training_equals_single_process_training(distributed, recipe, we
     torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("recipe, weights", fsdp_cases.COMPILED_CASES)
+def test_compiled_blocks_shard_and_train_like_one_eager_process(distributed, recipe, weights):
+    """torchtitan's order: quantize_, compile each block, fully_shard; against eager in one process."""
+    sharded = distributed[("compiled", recipe, weights)]
+    single = fsdp_cases.train(fsdp_cases.build(recipe, weights), weights)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("recipe, weights, reshard", fsdp_cases.SCENARIOS)
 def test_all_gathers_carry_low_precision_bytes_of_one_direction(distributed, recipe, weights, reshard):
     gathers = distributed[(recipe, weights, reshard)]["all_gathers"]
