@@ -91,7 +91,7 @@ def _(x, fp8_dtype, rowwise, columnwise, amax, amax_epsilon, force_pow_2_scales)
 
 def _float8_cast(x, fp8_dtype, rowwise, columnwise, *, scale=None, amax=None, amax_epsilon=0.0, force_pow_2_scales=False, amax_out=False):
     if scale is not None or amax_out:
-        raise NotImplementedError("qtensor: delayed scaling's Float8 cast does not run under torch.compile yet (docs/compile.md).")
+        raise RuntimeError("qtensor: delayed scaling's Float8 cast does not run under torch.compile yet (docs/compile.md).")
     row, col, scale_inv = float8_cast_op(x, fp8_dtype, rowwise, columnwise, amax, float(amax_epsilon), force_pow_2_scales)
     return (row if rowwise else None), (col if columnwise else None), scale_inv, None
 

@@ -155,3 +155,11 @@ def test_compiled_graphs_call_the_triton_kernels_as_custom_ops(recipe, weights):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for p_eager, p_compiled in zip(eager.parameters(), inductor.parameters()):
         torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_delayed_scaling_under_compile_fails_with_a_message_that_says_what_to_do():
+    torch._dynamo.reset()
+    model = mlp("float8_delayed", "dynamic")
+    with pytest.raises(Exception, match=r"scaling='delayed'\) does not run under torch.compile.*float8_current"):
+        torch.compile(model, backend="aot_eager")(torch.randn(16, 64))
+    model(torch.randn(16, 64))  # eager still runs

@@ -3,6 +3,7 @@
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..numerics import (
     FP8_DTYPES,
@@ -171,6 +172,13 @@ class Float8Quantizer(Quantizer):
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         rows, cols = x.shape
+        if self.scaling == "delayed" and (torch.compiler.is_compiling() or is_fake(x)) and x.device.type != "meta":
+            # RuntimeError, not NotImplementedError: the compiler would take the latter for a graph break.
+            raise RuntimeError(
+                "Float8Quantizer(scaling='delayed') does not run under torch.compile yet: its amax history "
+                "lives on the quantizer, outside the tensors the compiler traces. Compile with current "
+                "scaling (qtensor.recipes.float8_current()), or run this model without torch.compile."
+            )
         if lookup("float8.cast", x) is not None and (self.scaling == "current" or lookup("float8.delayed_scale", x) is not None):
             row_data, col_data, scale_inv = self._cast_on_device(x, rowwise, columnwise, update_state)
         else:
