@@ -102,7 +102,7 @@ def test_compiled_training_matches_eager_and_does_not_recompile(recipe, weights,
 
 INDUCTOR_CASES = [
     "float8_current",
-    pytest.param("mxfp8", marks=pytest.mark.xfail(strict=True, reason="inductor (torch 2.13, CPU) fails an indexing assertion on the MXFP8 reference cast; docs/limitations.md")),
+    "mxfp8",
     "nvfp4",
     "mxfp8_fwd_nvfp4_bwd",
 ]

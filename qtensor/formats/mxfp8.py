@@ -12,6 +12,7 @@ from ..numerics import (
     expand_blocks,
     fp32,
     fp8_max,
+    pad_to_multiple,
     to_fp8_saturating,
 )
 from ..kernels import lookup
@@ -57,6 +58,19 @@ def quantize_row_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding:
     element_scale = exact_pow2(127 - codes.int().clamp(max=254))
     data = to_fp8_saturating(x * expand_blocks(element_scale, BLOCK_SIZE, x.shape[1]), fp8_dtype)
     return data, codes
+
+
+def quantize_column_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str):
+    """Blocks of 32 down each column of fp32 `x` [R, C] → (fp8 data [R, C], E8M0 codes
+    [ceil(R/32), C]): quantize_row_blocks of `x.t()`, transposed back, computed in place."""
+    rows, cols = x.shape
+    blocks = ceil_div(rows, BLOCK_SIZE)
+    padded = pad_to_multiple(x, BLOCK_SIZE, dim=0).reshape(blocks, BLOCK_SIZE, cols)
+    amax = padded.abs().amax(dim=1) if padded.numel() else x.new_zeros(blocks, cols)
+    codes = e8m0_codes(amax, fp8_dtype, scale_rounding)
+    element_scale = exact_pow2(127 - codes.int().clamp(max=254))
+    per_row = element_scale[:, None, :].expand(blocks, BLOCK_SIZE, cols).reshape(blocks * BLOCK_SIZE, cols)[:rows]
+    return to_fp8_saturating(x * per_row, fp8_dtype), codes
 
 
 def dequantize_row_blocks(data: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -131,6 +145,5 @@ class MXFP8Quantizer(Quantizer):
         if rowwise:
             rowwise_storage = self._storage("rowwise", x.shape, *quantize_row_blocks(x, self.fp8_dtype, self.scale_rounding))
         if columnwise:
-            data, codes = quantize_row_blocks(x.t(), self.fp8_dtype, self.scale_rounding)
-            columnwise_storage = self._storage("columnwise", x.shape, data.t().contiguous(), codes.t().contiguous())
+            columnwise_storage = self._storage("columnwise", x.shape, *quantize_column_blocks(x, self.fp8_dtype, self.scale_rounding))
         return rowwise_storage, columnwise_storage
