@@ -102,7 +102,10 @@ def test_compiled_training_matches_eager_and_does_not_recompile(recipe, weights,
 
 INDUCTOR_CASES = [
     "float8_current",
-    "mxfp8",
+    pytest.param("mxfp8", marks=pytest.mark.xfail(
+        torch.torch_version.TorchVersion(torch.__version__) < "2.13", strict=True,
+        reason="torch 2.11's inductor fails a tiling assertion on MXFP8's reference cast on the CPU (2.13 compiles it)",
+    )),
     "nvfp4",
     "mxfp8_fwd_nvfp4_bwd",
 ]
