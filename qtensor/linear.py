@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from . import gemm
-from .formats.float8 import replaying_delayed_scales
+from . import gemm, layer_state
+from .formats.float8 import deferring_amax_records, replaying_delayed_scales, write_amax_records
 from .numerics import ceil_div
 from .quantizer import INPUT_DTYPES, Quantizer, fold_to_2d
 from .tensor import QuantizedTensor
@@ -59,6 +59,26 @@ class LinearQuantizers:
 
     def roles(self) -> dict[str, Quantizer | None]:
         return {"input": self.input, "weight": self.weight, "grad_output": self.grad_output}
+
+    def state_buffers(self) -> dict[str, torch.Tensor]:
+        """The quantizers' running state by `<role>.<name>` (delayed scaling's amax histories): the
+        live tensors. The weight lists them among its inner tensors (layer_state.py)."""
+        return {
+            f"{role}.{name}": buffer
+            for role, quantizer in self.roles().items()
+            if quantizer is not None
+            for name, buffer in quantizer.state_buffers().items()
+        }
+
+    @contextlib.contextmanager
+    def using_state(self, buffers: dict[str, torch.Tensor]):
+        """Inside, the quantizers run on `buffers` (named as `state_buffers()`) as their state."""
+        with contextlib.ExitStack() as stack:
+            for role, quantizer in self.roles().items():
+                if quantizer is not None:
+                    mine = {name.partition(".")[2]: b for name, b in buffers.items() if name.partition(".")[0] == role}
+                    stack.enter_context(quantizer.using_state(mine))
+            yield
 
 
 def carries_quantizers(tensor) -> bool:
@@ -150,6 +170,7 @@ def _pack_saved(tensor: torch.Tensor | None):
     if not isinstance(tensor, QuantizedTensor):
         return [tensor], None
     names, context = tensor.__tensor_flatten__()
+    names = [name for name in names if not layer_state.is_state_name(name)]  # the layer's state is not saved
     # `.data`: the buffers' own version counters stay out of autograd's check, as they were when the
     # wrapper was saved (FSDP2 gathers a weight into the same buffers again before the backward).
     return [getattr(tensor, name).data for name in names], (type(tensor), names, context, tensor.shape, tensor.stride())
@@ -170,15 +191,19 @@ class QuantizedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool):
+    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool, state: dict):
         override = linear.backward_override
         quantized_backward = override is None
+        training = input_needs_grad or weight_needs_grad
         # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
         x2d = fold_to_2d(x)
-        x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
-        w_q = _weight_operand(
-            weight, linear, columnwise=input_needs_grad and quantized_backward, training=input_needs_grad or weight_needs_grad
-        )
+        # A compiled training step writes its layer state in the backward only: the compiler keeps
+        # the weight's state one input, which it can update in the forward or in the backward of a
+        # step, not in both. The forward's casts note their amaxes; the backward records them.
+        deferring = training and bool(state) and (torch.compiler.is_compiling() or is_fake(x))
+        with deferring_amax_records() if deferring else contextlib.nullcontext([]) as amax_records:
+            x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
+            w_q = _weight_operand(weight, linear, columnwise=input_needs_grad and quantized_backward, training=training)
 
         y = gemm.fprop(x_q, w_q, bias, _output_dtype(x, weight))
         # Not a view of y (torch._unsafe_view, as torch's own linear): FSDP2 warns about modules returning views.
@@ -195,6 +220,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         w_tensors, ctx.w_rebuild = _pack_saved(_only(*saved_w) if input_needs_grad else None)
         ctx.save_for_backward(*x_tensors, *w_tensors)
         ctx.linear = linear
+        ctx.state, ctx.amax_records = state, amax_records
         ctx.needs_grad = (input_needs_grad, weight_needs_grad)
         ctx.x_meta = (x.shape, x.dtype)
         ctx.weight_dtype = weight.dtype
@@ -222,9 +248,11 @@ class QuantizedLinearFunction(torch.autograd.Function):
                 t.dequantize(torch.float32, "rowwise") if isinstance(t, QuantizedTensor) else t for t in (saved_x, saved_w)
             )
         grad_q = grad_2d
-        if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
-            # Quantized once, with both usages the two backward GEMMs need.
-            grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)
+        with linear.using_state(ctx.state):
+            write_amax_records(ctx.amax_records)
+            if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
+                # Quantized once, with both usages the two backward GEMMs need.
+                grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)
 
         if input_needs_grad:
             x_shape, x_dtype = ctx.x_meta
@@ -235,7 +263,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
                 grad_weight = grad_weight.t()
         if ctx.needs_input_grad[2]:
             grad_bias = grad_2d.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,15 +280,14 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     grad_enabled = torch.is_grad_enabled()
     # A forward that runs while a backward pass executes is activation recomputation.
     recomputing = torch._C._current_graph_task_id() != -1
+    # The layer state the weight carries: the quantizers' own, or traced copies (layer_state.py).
+    state = layer_state.state_of(weight)
+    linear = weight.linear_quantizers
     with torch._C.DisableTorchFunctionSubclass(), replaying_delayed_scales() if recomputing else contextlib.nullcontext():
-        return QuantizedLinearFunction.apply(
-            x,
-            weight,
-            bias,
-            weight.linear_quantizers,
-            grad_enabled and x.requires_grad,
-            grad_enabled and weight.requires_grad,
-        )
+        with linear.using_state(state):
+            return QuantizedLinearFunction.apply(
+                x, weight, bias, linear, grad_enabled and x.requires_grad, grad_enabled and weight.requires_grad, state
+            )
 
 
 # ---- torch-function entry points ---------------------------------------------------------------
@@ -583,13 +610,21 @@ class DynamicWeight(torch.Tensor):
         self._writes.quantized[piece] = ((self.values_version(), quantizer.state_version()), quantizer, quantized if same_values else None)
         return quantized
 
-    # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap).
+    # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap), with the
+    # layer's running state among the inner tensors (layer_state.py).
     def __tensor_flatten__(self):
-        return ["_data"], self.linear_quantizers
+        return ["_data", *layer_state.inner_names(self.linear_quantizers)], self.linear_quantizers
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, linear_quantizers, outer_size, outer_stride):
-        return DynamicWeight(inner_tensors["_data"], linear_quantizers)
+        weight = DynamicWeight(inner_tensors["_data"], linear_quantizers)
+        layer_state.bind(weight, inner_tensors)
+        return weight
+
+    def __getattr__(self, name):
+        if layer_state.is_state_name(name):
+            return layer_state.inner_tensor(self, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __reduce_ex__(self, protocol):
         if self.__dict__.get("_is_param"):
@@ -666,6 +701,8 @@ class DynamicWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten.copy_.default and isinstance(args[1], DynamicWeight) and layer_state.has_bound_state(args[1]):
+            return _write_back(*args[:2])
         weights = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DynamicWeight)]
         plain_args, plain_kwargs = tree_map_only(DynamicWeight, lambda t: t._data, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
@@ -679,6 +716,16 @@ class DynamicWeight(torch.Tensor):
         if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
             return args[0]
         return out
+
+
+def _write_back(target: DynamicWeight, source: DynamicWeight) -> DynamicWeight:
+    """`target.copy_(source)` from a traced weight: how the compiled step writes the layer state it
+    updated back into the weight it was given, with the values where they are another tensor."""
+    layer_state.copy_state(target, source)
+    if not layer_state.same_values(source._data, target._data):
+        target._data.copy_(source._data)
+        target._writes.record_write()
+    return target
 
 
 class _WriteLog:

@@ -9,7 +9,7 @@ import torch
 from torch._prims_common import infer_size
 from torch.utils._pytree import tree_map_only
 
-from . import numerics
+from . import layer_state, numerics
 from .quantizer import INPUT_DTYPES, fold_to_2d
 from .storage import DIRECTIONS
 from .tensor import QuantizedTensor, dequantized_fallback, rows_per_index
@@ -162,6 +162,12 @@ def _copy(func, args, kwargs):
     self, src = args[0], args[1]
     if not isinstance(self, QuantizedTensor):  # a plain tensor receiving a quantized one
         return self.copy_(src.dequantize(), non_blocking=kwargs.get("non_blocking", False))
+    if isinstance(src, QuantizedTensor) and layer_state.has_bound_state(src) and _byte_compatible(self, src):
+        # The compiled step writing back a weight it was given: its layer's updated running state,
+        # and its bytes where the step wrote them (layer_state.py).
+        layer_state.copy_state(self, src)
+        _copy_storages(self, src, unless=layer_state.same_values)
+        return self
     if isinstance(src, QuantizedTensor) and _byte_compatible(self, src):
         _check_tensor_wide_buffers_match(self, src)
         _copy_storages(self, src)
@@ -273,13 +279,14 @@ def _byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:
     return all(getattr(src, d) is not None and mine.same_layout(getattr(src, d)) for d, mine in _storages(self))
 
 
-def _copy_storages(self: QuantizedTensor, source: QuantizedTensor) -> None:
-    """Copy `source`'s bytes into every buffer of `self`'s directions, each buffer once."""
+def _copy_storages(self: QuantizedTensor, source: QuantizedTensor, unless=None) -> None:
+    """Copy `source`'s bytes into every buffer of `self`'s directions, each buffer once (and not
+    where `unless(theirs, mine)` holds)."""
     done = set()
     for direction, mine in _storages(self):
         theirs = getattr(source, direction).buffers
         for name, target in mine.buffers.items():
-            if id(target) not in done:
+            if id(target) not in done and not (unless is not None and unless(theirs[name], target)):
                 done.add(id(target))
                 target.copy_(theirs[name])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -106,6 +107,28 @@ class Quantizer:
 
     def move_state(self, device: torch.device) -> None:
         """Move the running state to `device` (where the tensors this quantizer casts live)."""
+
+    @contextlib.contextmanager
+    def using_state(self, buffers: dict[str, torch.Tensor]):
+        """Inside, the running state is `buffers` (the names of `state_buffers()`): casts read them
+        and write into them. torch.compile traces a layer with the traced copies of its state
+        (linear.py), so that the history is a graph input the compiled step updates in place."""
+        mine = self.state_buffers()
+        if set(buffers) != set(mine):
+            raise ValueError(f"{type(self).__name__}: running state {sorted(buffers)} given, expected {sorted(mine)}.")
+        if all(buffers[name] is mine[name] for name in mine):
+            yield
+            return
+        self._set_state_buffers(buffers)
+        try:
+            yield
+        finally:
+            self._set_state_buffers(mine)
+
+    def _set_state_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Make `buffers` the running state (for `using_state`); stateless quantizers have none."""
+        if buffers:
+            raise NotImplementedError(f"{type(self).__name__} keeps running state but cannot swap it.")
 
     def check_state_buffers(self, buffers: dict[str, torch.Tensor], where: str = "") -> None:
         """ValueError unless `buffers` are exactly this quantizer's running state (names, dtypes, shapes)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import layer_state
 from .numerics import FP8_DTYPES
 from .quantizer import DTYPES_BY_NAME, Quantizer, decode_value, encode_value, quantizer_from_dict, quantizer_to_dict
 from .storage import DIRECTIONS, STORAGE_CLASSES, Storage
@@ -255,19 +256,24 @@ class QuantizedTensor(torch.Tensor):
     # torch's traceable-subclass protocol (torch.compile, and nn.Module._apply, which then swaps the
     # parameter instead of assigning .data). The context compares by value and holds no shape (it
     # comes back as outer_size), no tensors and no per-step state, so compiled code can guard on it.
+    # A layer's weight also lists its layer's running state (layer_state.py).
     def __tensor_flatten__(self):
         buffers, _ = self.to_buffers(quantizer_state=False)
-        return [name.replace(".", "__") for name in buffers], (_TensorPlan.of(self).key(), self.quantizer, self.linear_quantizers)
+        names = [name.replace(".", "__") for name in buffers] + layer_state.inner_names(self.linear_quantizers)
+        return names, (_TensorPlan.of(self).key(), self.quantizer, self.linear_quantizers)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
         key, quantizer, linear_quantizers = context
-        buffers = {name.replace("__", "."): tensor for name, tensor in inner_tensors.items()}
+        buffers = {name.replace("__", "."): t for name, t in inner_tensors.items() if not layer_state.is_state_name(name)}
         result = _TensorPlan.from_key(key, outer_size).assemble(buffers, quantizer)
         result.linear_quantizers = linear_quantizers
+        layer_state.bind(result, inner_tensors)
         return result
 
     def __getattr__(self, name):
+        if layer_state.is_state_name(name):
+            return layer_state.inner_tensor(self, name)
         # The inner tensors __tensor_flatten__ names: "rowwise__data" is self.rowwise.data, a shared
         # tensor-wide "scale_inv" is self.rowwise.scale_inv.
         direction, separator, field = name.partition("__")

@@ -6,9 +6,9 @@ compiled graph calls the kernels directly instead of tracing the pure-torch refe
 signature and return convention, built on the op: callers do not change. A custom op cannot return
 None, so an absent direction travels as an empty tensor and comes back as None.
 
-Covered: the casts and dequantizes of every format with stateless scaling (Float8 current scaling,
-MXFP8, NVFP4, the hybrid), the amaxes and the GEMM epilogue. Delayed scaling's kernels (which
-update the amax history in place) are not: delayed scaling does not compile yet.
+Covered: the casts and dequantizes of every format (Float8 with current and delayed scaling, MXFP8,
+NVFP4, the hybrid), the amaxes, delayed scaling's scale and history update (an op that writes the
+history in place, which the compiler functionalizes), and the GEMM epilogue.
 """
 
 from typing import Optional
@@ -89,11 +89,62 @@ def _(x, fp8_dtype, rowwise, columnwise, amax, amax_epsilon, force_pow_2_scales)
     return row, col, x.new_empty((), dtype=torch.float32)
 
 
+# ---- Float8 (delayed scaling): the scale from the history, the cast at it, the history update ----
+@torch.library.custom_op("qtensor::float8_cast_at_scale", mutates_args=())
+def float8_cast_at_scale_op(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, scale: torch.Tensor, amax_out: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    row, col, scale_inv, partials = float8.cast(x, fp8_dtype, rowwise, columnwise, scale=scale, amax_out=amax_out)
+    none = lambda: _none(x.device, fp8_dtype)
+    return (row if row is not None else none()), (col if col is not None else none()), scale_inv, (
+        partials if partials is not None else _none(x.device, torch.float32)
+    )
+
+
+@float8_cast_at_scale_op.register_fake
+def _(x, fp8_dtype, rowwise, columnwise, scale, amax_out):
+    m, n = x.shape
+    row = x.new_empty((m, n) if rowwise else _NONE, dtype=fp8_dtype)
+    col = x.new_empty((n, m) if columnwise else _NONE, dtype=fp8_dtype)
+    block_m, block_n, _ = float8._CAST_TILE[4 if m % 4 == 0 else 1]
+    parts = max(triton.cdiv(m, block_m), 1) * max(triton.cdiv(n, block_n), 1)
+    return row, col, x.new_empty((), dtype=torch.float32), x.new_empty((parts,) if amax_out else _NONE, dtype=torch.float32)
+
+
+@torch.library.custom_op("qtensor::float8_delayed_scale", mutates_args=())
+def float8_delayed_scale_op(
+    history: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, force_pow_2_scales: bool, margin: int, most_recent: bool
+) -> torch.Tensor:
+    return float8.delayed_scale(history, fp8_dtype, amax_epsilon, force_pow_2_scales, margin, most_recent)
+
+
+@float8_delayed_scale_op.register_fake
+def _(history, fp8_dtype, amax_epsilon, force_pow_2_scales, margin, most_recent):
+    return history.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("qtensor::float8_record_amax", mutates_args=("history",))
+def float8_record_amax_op(history: torch.Tensor, partials: torch.Tensor) -> None:
+    float8.record_amax(history, partials)
+
+
+@float8_record_amax_op.register_fake
+def _(history, partials):
+    return None
+
+
 def _float8_cast(x, fp8_dtype, rowwise, columnwise, *, scale=None, amax=None, amax_epsilon=0.0, force_pow_2_scales=False, amax_out=False):
-    if scale is not None or amax_out:
-        raise RuntimeError("qtensor: delayed scaling's Float8 cast does not run under torch.compile yet (docs/compile.md).")
+    if scale is not None:
+        row, col, scale_inv, partials = float8_cast_at_scale_op(x, fp8_dtype, rowwise, columnwise, scale, amax_out)
+        return (row if rowwise else None), (col if columnwise else None), scale_inv, (partials if amax_out else None)
+    if amax_out:
+        raise ValueError("qtensor: the Float8 cast reports its amax only when cast at a given scale (delayed scaling).")
     row, col, scale_inv = float8_cast_op(x, fp8_dtype, rowwise, columnwise, amax, float(amax_epsilon), force_pow_2_scales)
     return (row if rowwise else None), (col if columnwise else None), scale_inv, None
+
+
+def _float8_delayed_scale(history, fp8_dtype, *, amax_epsilon, force_pow_2_scales, margin, most_recent):
+    return float8_delayed_scale_op(history, fp8_dtype, float(amax_epsilon), force_pow_2_scales, margin, most_recent)
 
 
 @torch.library.custom_op("qtensor::float8_dequantize", mutates_args=())
@@ -215,6 +266,8 @@ WRAPPERS = {
     "finite_amax": finite_amax_op,
     "float8.amax_partials": amax_partials_op,
     "float8.cast": _float8_cast,
+    "float8.delayed_scale": _float8_delayed_scale,
+    "float8.record_amax": float8_record_amax_op,
     "float8.dequantize": float8_dequantize_op,
     "mxfp8.cast": lambda x, fp8_dtype, scale_rounding, rowwise, columnwise: _pairs(mxfp8_cast_op(x, fp8_dtype, scale_rounding, rowwise, columnwise)),
     "mxfp8.dequantize": mxfp8_dequantize_op,

@@ -103,9 +103,12 @@ def train_losses(model: nn.Module, weights: str, outputs: int = OUT) -> list[flo
 
 
 DCP_CASES = [("float8_current", "quantized"), ("hybrid", "quantized"), ("nvfp4", "dynamic")]
-# Compiled blocks under FSDP2 (delayed scaling does not compile yet); aot_eager on the CPU, where
+# Compiled blocks under FSDP2; aot_eager on the CPU, where
 # inductor's code generation would take minutes, inductor on the GPU.
-COMPILED_CASES = [("float8_current", "dynamic"), ("mxfp8", "quantized"), ("nvfp4", "dynamic"), ("hybrid", "dynamic")]
+COMPILED_CASES = [
+    ("float8_current", "dynamic"), ("mxfp8", "quantized"), ("nvfp4", "dynamic"), ("hybrid", "dynamic"),
+    ("float8_delayed", "dynamic"), ("float8_delayed", "quantized"),
+]
 COMPILE_BACKEND = "inductor" if os.environ.get("QTENSOR_TEST_DEVICE", "cpu") == "cuda" else "aot_eager"
 
 

@@ -47,6 +47,7 @@ import copy  # noqa: E402
 from torch import nn  # noqa: E402
 
 STATELESS_RECIPES = ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+RECIPES = [*STATELESS_RECIPES, "float8_delayed"]
 
 
 def mlp(recipe, weights, override=None):
@@ -57,7 +58,7 @@ def mlp(recipe, weights, override=None):
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-@pytest.mark.parametrize("recipe", STATELESS_RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_a_quantized_model_compiles_without_graph_breaks(recipe, weights):
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(mlp(recipe, weights))(torch.randn(16, 64))
@@ -65,10 +66,21 @@ def test_a_quantized_model_compiles_without_graph_breaks(recipe, weights):
     assert explanation.graph_count == 1
 
 
+def _histories(model) -> list[torch.Tensor]:
+    """Every layer's running state (delayed scaling's amax histories), copied."""
+    return [
+        buffer.clone()
+        for module in model.modules()
+        if isinstance(module, nn.Linear)
+        for buffer in module.weight.linear_quantizers.state_buffers().values()
+    ]
+
+
 def _step(model, x, seed):
     torch.manual_seed(seed)  # stochastic rounding draws its keys from torch's generator
-    model(x).float().square().sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    out = model(x)
+    out.float().square().sum().backward()
+    grads = [out.detach(), *(p.grad.clone() for p in model.parameters())]
     with torch.no_grad():
         for p in model.parameters():  # plain SGD on the high-precision values (dynamic weights)
             if not isinstance(p, qtensor.QuantizedTensor):
@@ -77,12 +89,18 @@ def _step(model, x, seed):
     return grads
 
 
-@pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
+TRAINING_CASES = [
+    *[(recipe, override) for recipe in STATELESS_RECIPES for override in (None, "high_precision", "dequantized")],
+    ("float8_delayed", None),  # delayed scaling takes no backward override (qtensor.Recipe says why)
+]
+
+
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-@pytest.mark.parametrize("recipe", STATELESS_RECIPES)
+@pytest.mark.parametrize("recipe, override", TRAINING_CASES)
 def test_compiled_training_matches_eager_and_does_not_recompile(recipe, weights, override):
     """Forward and backward through AOT autograd (the layer the tensor subclasses go through), three
-    steps with new inputs and updated weights: the same outputs and gradients as eager, one frame."""
+    steps with new inputs and updated weights: the same outputs, gradients and amax histories as
+    eager, one frame (a history that moves is a new input value, not a new graph)."""
     eager = mlp(recipe, weights, override)
     compiled_model = copy.deepcopy(eager)
     torch._dynamo.reset()
@@ -90,14 +108,14 @@ def test_compiled_training_matches_eager_and_does_not_recompile(recipe, weights,
     compiled = torch.compile(compiled_model, backend=counter)
     for step in range(3):
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
-        torch.manual_seed(10 + step)
-        expected_out = eager(x)
-        torch.manual_seed(10 + step)
-        got_out = compiled(x)
-        torch.testing.assert_close(got_out, expected_out, rtol=1e-5, atol=1e-5)
-        for got, expected in zip(_step(compiled, x, step), _step(eager, x, step)):
+        for got, expected in zip(_step(compiled, x, step), _step(eager, x, step)):  # output, then gradients
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for got, expected in zip(_histories(compiled_model), _histories(eager), strict=True):
+            assert torch.equal(got, expected)
     assert counter.frame_count == 1
+    if recipe == "float8_delayed":  # the histories did move: each input and gradient history holds three steps
+        layers = [m.weight.linear_quantizers for m in compiled_model.modules() if isinstance(m, nn.Linear)]
+        assert all(int((q.amax_history >= 0).sum()) == 3 for layer in layers for q in (layer.input, layer.grad_output))
 
 
 INDUCTOR_CASES = [
@@ -108,6 +126,7 @@ INDUCTOR_CASES = [
     )),
     "nvfp4",
     "mxfp8_fwd_nvfp4_bwd",
+    "float8_delayed",
 ]
 
 
@@ -126,13 +145,14 @@ CUSTOM_OPS = {
     "mxfp8": {"qtensor.mxfp8_cast", "qtensor.mxfp8_dequantize"},
     "nvfp4": {"qtensor.nvfp4_cast", "qtensor.nvfp4_amaxes", "qtensor.nvfp4_dequantize", "qtensor.scale_output"},
     "mxfp8_fwd_nvfp4_bwd": {"qtensor.hybrid_cast", "qtensor.nvfp4_cast", "qtensor.scale_output"},
+    "float8_delayed": {"qtensor.float8_delayed_scale", "qtensor.float8_cast_at_scale", "qtensor.float8_record_amax"},
 }
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-@pytest.mark.parametrize("recipe", STATELESS_RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_graphs_call_the_triton_kernels_as_custom_ops(recipe, weights):
     """On CUDA the traced forward and backward call the kernels (qtensor_kernels/compiled.py) rather
     than their references, and the compiled step equals the eager one (inductor, fp32)."""
@@ -160,9 +180,36 @@ def test_compiled_graphs_call_the_triton_kernels_as_custom_ops(recipe, weights):
         torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_delayed_scaling_under_compile_fails_with_a_message_that_says_what_to_do():
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_delayed_scaling_updates_its_histories_in_place_inside_the_compiled_step(weights):
+    """The histories are inputs of the compiled graphs, written in place: a training step writes them
+    in its backward (forward and backward of one step cannot both write one input), an inference
+    forward in its forward; neither graph writes anything else (no copy of a weight's values)."""
+    model = mlp("float8_delayed", weights)
+    casts_per_forward = 2 if weights == "dynamic" else 1  # the input's, and a dynamic weight's
+    layers = 2
     torch._dynamo.reset()
-    model = mlp("float8_delayed", "dynamic")
-    with pytest.raises(Exception, match=r"scaling='delayed'\) does not run under torch.compile.*float8_current"):
-        torch.compile(model, backend="aot_eager")(torch.randn(16, 64))
-    model(torch.randn(16, 64))  # eager still runs
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    compiled = torch.compile(model, backend=recorder)
+    compiled(torch.randn(16, 64)).sum().backward()
+    with torch.no_grad():
+        compiled(torch.randn(16, 64))
+    training_forward, inference_forward = recorder.fw_graphs
+    (training_backward,) = recorder.bw_graphs
+    writes = lambda graph: graph.code.count("torch.ops.aten.copy_.default(")
+    assert writes(training_forward) == 0
+    assert writes(training_backward) == layers * (casts_per_forward + 1)  # and the gradient's
+    assert writes(inference_forward) == layers * casts_per_forward
+
+    # And the same histories and outputs as eager after a training step and an inference forward.
+    eager, fresh = mlp("float8_delayed", weights), mlp("float8_delayed", weights)
+    compiled = torch.compile(fresh, backend="aot_eager")
+    x, x_eval = torch.randn(16, 64), torch.randn(16, 64)
+    for model_ in (eager, compiled):
+        model_(x).sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x_eval), eager(x_eval), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(_histories(fresh), _histories(eager), strict=True):
+        assert torch.equal(got, expected)

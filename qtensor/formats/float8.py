@@ -53,6 +53,31 @@ def replaying_delayed_scales():
         _replaying = previous
 
 
+# While a compiled training forward is traced: the amax records its backward writes (linear.py).
+_deferred: list = [None]
+
+
+@contextlib.contextmanager
+def deferring_amax_records():
+    """Inside, delayed-scaling casts leave their amax history as it is and note the amax they would
+    record; `write_amax_records` writes the notes later, in order. A compiled training step traces
+    its forward this way and writes the forward's records in its backward (why: linear.py)."""
+    previous, _deferred[0] = _deferred[0], []
+    try:
+        yield _deferred[0]
+    finally:
+        _deferred[0] = previous
+
+
+def write_amax_records(records: list) -> None:
+    for quantizer, amax in records:
+        quantizer._write_amax(amax)
+
+
+def _tracing(x: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or is_fake(x)
+
+
 class Float8Storage(Storage):
     """Rowwise: `data` is `[rows, cols]`. Columnwise: `data` is the transpose `[cols, rows]` (the
     layout an FP8 GEMM wants for the other reduction). `scale_inv` (0-d fp32) covers the whole
@@ -172,21 +197,13 @@ class Float8Quantizer(Quantizer):
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         rows, cols = x.shape
-        if self.scaling == "delayed" and (torch.compiler.is_compiling() or is_fake(x)) and x.device.type != "meta":
-            # RuntimeError, not NotImplementedError: the compiler would take the latter for a graph break.
-            raise RuntimeError(
-                "Float8Quantizer(scaling='delayed') does not run under torch.compile yet: its amax history "
-                "lives on the quantizer, outside the tensors the compiler traces. Compile with current "
-                "scaling (qtensor.recipes.float8_current()), or run this model without torch.compile."
-            )
         if lookup("float8.cast", x) is not None and (self.scaling == "current" or lookup("float8.delayed_scale", x) is not None):
             row_data, col_data, scale_inv = self._cast_on_device(x, rowwise, columnwise, update_state)
         else:
             scale = self.compute_scale(x)
             scale_inv = torch.reciprocal(scale)  # 1/scale, correctly rounded
             if update_state and self.scaling == "delayed" and not _replaying:
-                self.record_amax(tensor_amax(x))
-                self.last_scale = scale
+                self._record(tensor_amax(x), scale, x)
             row_data = quantize_per_tensor(x.float(), scale, self.fp8_dtype)
             col_data = row_data.t().contiguous() if columnwise else None
         storage = lambda direction, data: Float8Storage(
@@ -214,11 +231,24 @@ class Float8Quantizer(Quantizer):
             )
         row, col, scale_inv, partials = cast(x, self.fp8_dtype, rowwise, columnwise, scale=scale, amax_out=record)
         if record:
-            if sharded_quantization():
-                partials = reduce_amax(partials.max())
-            lookup("float8.record_amax", x)(self._history_on(x.device), partials.reshape(-1))
-            self.last_scale = scale
+            self._record(reduce_amax(partials.max()) if sharded_quantization() else partials, scale, x)
         return row, col, scale_inv
+
+    def _record(self, amax: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+        """Record one cast's amax (0-d, or the partial amaxes whose max it is) and its scale."""
+        if not _tracing(x):
+            self.last_scale = scale  # for activation recomputation; a traced tensor is never kept
+        if _deferred[0] is not None:
+            _deferred[0].append((self, amax))
+        else:
+            self._write_amax(amax)
+
+    def _write_amax(self, amax: torch.Tensor) -> None:
+        kernel = lookup("float8.record_amax", amax)
+        if kernel is not None:
+            kernel(self._history_on(amax.device), amax.reshape(-1))
+        else:
+            self.record_amax(amax.max())
 
     def record_amax(self, amax: torch.Tensor) -> None:
         """Append one cast's amax to the delayed-scaling history, in place, dropping the oldest."""
@@ -228,3 +258,7 @@ class Float8Quantizer(Quantizer):
 
     def state_buffers(self) -> dict[str, torch.Tensor]:
         return {"amax_history": self.amax_history} if self.scaling == "delayed" else {}
+
+    def _set_state_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        if self.scaling == "delayed":
+            self.amax_history = buffers["amax_history"]

@@ -79,6 +79,11 @@ class HybridQuantizer(Quantizer):
         self.rowwise.move_state(device)
         self.columnwise.move_state(device)
 
+    def _set_state_buffers(self, buffers: dict) -> None:
+        for direction in ("rowwise", "columnwise"):
+            child = getattr(self, direction)
+            child._set_state_buffers({name.partition(".")[2]: b for name, b in buffers.items() if name.startswith(f"{direction}.")})
+
     def state_buffers(self) -> dict:
         # Each child keeps its own running state (delayed scaling); named by the child's direction.
         return {f"{direction}.{name}": buffer for direction in ("rowwise", "columnwise") for name, buffer in getattr(self, direction).state_buffers().items()}

@@ -1,0 +1,85 @@
+"""A layer's running state travels on its weight, as inner tensors (torch.compile).
+
+A layer's quantizers travel on its weight (`linear_quantizers`); their running state (delayed
+scaling's amax histories) lives on the quantizers. torch.compile only sees tensors it reaches from
+the graph's inputs, so the weight also lists that state among its inner tensors
+(`__tensor_flatten__`), named `state__<role>__<name>` (`state__input__amax_history`): the compiled
+step then takes each history as an input and updates it in place, and a history that moves from
+one step to the next is a new value, not a new graph.
+
+Eagerly the names resolve to the quantizers' own tensors. A weight rebuilt from traced inner
+tensors (`__tensor_unflatten__`) holds those as its *bound* state, which the layer's casts use
+(`LinearQuantizers.using_state`), and a copy from such a weight into another (how the compiled step
+writes an updated input back) copies the state too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PREFIX = "state__"
+
+
+def _key(name: str) -> str:
+    return name[len(PREFIX):].replace("__", ".")
+
+
+def inner_names(linear_quantizers) -> list[str]:
+    """The inner-tensor names of a weight's layer state (none for stateless quantizers)."""
+    if linear_quantizers is None:
+        return []
+    return [PREFIX + key.replace(".", "__") for key in linear_quantizers.state_buffers()]
+
+
+def is_state_name(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def state_of(weight) -> dict[str, torch.Tensor]:
+    """The layer state `weight` carries by `<role>.<name>`: its bound (traced) tensors, else the live ones."""
+    linear = weight.linear_quantizers
+    live = linear.state_buffers() if linear is not None else {}
+    bound = weight.__dict__.get("_bound_state") or {}
+    return {key: bound.get(key, tensor) for key, tensor in live.items()}
+
+
+def inner_tensor(weight, name: str) -> torch.Tensor:
+    """`getattr(weight, "state__input__amax_history")`: the tensor `__tensor_flatten__` names."""
+    state = state_of(weight)
+    key = _key(name)
+    if key not in state:
+        raise AttributeError(f"{type(weight).__name__} carries no layer state {key!r}")
+    return state[key]
+
+
+def bind(weight, inner_tensors: dict[str, torch.Tensor]) -> None:
+    """Keep the state tensors among `inner_tensors` that are not the quantizers' own (traced copies)."""
+    if weight.linear_quantizers is None:
+        return
+    live = weight.linear_quantizers.state_buffers()
+    bound = {_key(n): t for n, t in inner_tensors.items() if is_state_name(n) and t is not live.get(_key(n))}
+    if bound:
+        weight._bound_state = bound
+
+
+def has_bound_state(weight) -> bool:
+    return bool(weight.__dict__.get("_bound_state"))
+
+
+def copy_state(target, source) -> None:
+    """Write the bound state of `source` (a traced weight's updated state) into `target`'s state."""
+    mine = state_of(target)
+    with torch.no_grad():
+        for key, value in source.__dict__["_bound_state"].items():
+            if mine[key] is not value:
+                mine[key].copy_(value)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Views of one memory with one layout: a buffer the compiled step did not write."""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
