@@ -16,6 +16,7 @@ writes an updated input back) copies the state too.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 PREFIX = "state__"
 
@@ -24,11 +25,18 @@ def _key(name: str) -> str:
     return name[len(PREFIX):].replace("__", ".")
 
 
-def inner_names(linear_quantizers) -> list[str]:
-    """The inner-tensor names of a weight's layer state (none for stateless quantizers)."""
-    if linear_quantizers is None:
+def inner_names(weight, values: torch.Tensor) -> list[str]:
+    """The inner-tensor names of `weight`'s layer state (none for stateless quantizers). The state
+    moves to the weight's device first: the compiler reads it here, as an input of the graph it
+    traces, and a history left behind on the CPU would be copied to the GPU at every step.
+    `values` is one of the weight's own inner tensors (is it real, and where)."""
+    linear = weight.linear_quantizers
+    if linear is None:
         return []
-    return [PREFIX + key.replace(".", "__") for key in linear_quantizers.state_buffers()]
+    state = linear.state_buffers()
+    if state and not has_bound_state(weight) and not is_fake(values) and values.device.type != "meta":
+        linear.move_state(values.device)
+    return [PREFIX + key.replace(".", "__") for key in state]
 
 
 def is_state_name(name: str) -> bool:
@@ -41,6 +49,12 @@ def state_of(weight) -> dict[str, torch.Tensor]:
     live = linear.state_buffers() if linear is not None else {}
     bound = weight.__dict__.get("_bound_state") or {}
     return {key: bound.get(key, tensor) for key, tensor in live.items()}
+
+
+def traced_state_of(weight) -> dict[str, torch.Tensor] | None:
+    """The state a traced weight carries (what its layer's casts must use), None for a real weight
+    (its layer's casts use the quantizers' own state, wherever it has moved since)."""
+    return state_of(weight) if has_bound_state(weight) else None
 
 
 def inner_tensor(weight, name: str) -> torch.Tensor:

@@ -70,6 +70,11 @@ class LinearQuantizers:
             for name, buffer in quantizer.state_buffers().items()
         }
 
+    def move_state(self, device: torch.device) -> None:
+        for quantizer in self.roles().values():
+            if quantizer is not None:
+                quantizer.move_state(device)
+
     @contextlib.contextmanager
     def using_state(self, buffers: dict[str, torch.Tensor]):
         """Inside, the quantizers run on `buffers` (named as `state_buffers()`) as their state."""
@@ -191,7 +196,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool, state: dict):
+    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool, state: dict | None):
         override = linear.backward_override
         quantized_backward = override is None
         training = input_needs_grad or weight_needs_grad
@@ -248,7 +253,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
                 t.dequantize(torch.float32, "rowwise") if isinstance(t, QuantizedTensor) else t for t in (saved_x, saved_w)
             )
         grad_q = grad_2d
-        with linear.using_state(ctx.state):
+        with linear.using_state(ctx.state) if ctx.state else contextlib.nullcontext():
             write_amax_records(ctx.amax_records)
             if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
                 # Quantized once, with both usages the two backward GEMMs need.
@@ -280,11 +285,11 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     grad_enabled = torch.is_grad_enabled()
     # A forward that runs while a backward pass executes is activation recomputation.
     recomputing = torch._C._current_graph_task_id() != -1
-    # The layer state the weight carries: the quantizers' own, or traced copies (layer_state.py).
-    state = layer_state.state_of(weight)
+    # Traced by torch.compile, the casts use the copies of the layer state the weight carries (layer_state.py).
+    state = layer_state.traced_state_of(weight)
     linear = weight.linear_quantizers
     with torch._C.DisableTorchFunctionSubclass(), replaying_delayed_scales() if recomputing else contextlib.nullcontext():
-        with linear.using_state(state):
+        with linear.using_state(state) if state else contextlib.nullcontext():
             return QuantizedLinearFunction.apply(
                 x, weight, bias, linear, grad_enabled and x.requires_grad, grad_enabled and weight.requires_grad, state
             )
@@ -613,7 +618,7 @@ class DynamicWeight(torch.Tensor):
     # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap), with the
     # layer's running state among the inner tensors (layer_state.py).
     def __tensor_flatten__(self):
-        return ["_data", *layer_state.inner_names(self.linear_quantizers)], self.linear_quantizers
+        return ["_data", *layer_state.inner_names(self, self._data)], self.linear_quantizers
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, linear_quantizers, outer_size, outer_stride):

@@ -259,7 +259,7 @@ class QuantizedTensor(torch.Tensor):
     # A layer's weight also lists its layer's running state (layer_state.py).
     def __tensor_flatten__(self):
         buffers, _ = self.to_buffers(quantizer_state=False)
-        names = [name.replace(".", "__") for name in buffers] + layer_state.inner_names(self.linear_quantizers)
+        names = [name.replace(".", "__") for name in buffers] + layer_state.inner_names(self, next(iter(buffers.values())))
         return names, (_TensorPlan.of(self).key(), self.quantizer, self.linear_quantizers)
 
     @staticmethod

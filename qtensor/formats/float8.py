@@ -187,6 +187,13 @@ class Float8Quantizer(Quantizer):
         """The history, moved once to the device the data lives on (then updated there in place)."""
         if torch.device(device).type == "meta":
             return self.amax_history.to("meta")  # shapes only; the real history stays
+        if is_fake(self.amax_history) and self.amax_history.device != torch.device(device):
+            # Traced: a moved copy would take the updates, and the history itself would never move.
+            raise RuntimeError(
+                f"Float8Quantizer(scaling='delayed'): its amax history is on {self.amax_history.device} but "
+                f"it casts a tensor on {device} under torch.compile. Move the model to {device} before "
+                "compiling it (the history moves with its layer's weight)."
+            )
         self.move_state(device)
         return self.amax_history
 
