@@ -48,17 +48,30 @@ from torch import nn  # noqa: E402
 
 STATELESS_RECIPES = ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
 RECIPES = [*STATELESS_RECIPES, "float8_delayed"]
+DELAYED = ["float8_delayed", "hybrid_delayed"]
+
+
+def _hybrid_delayed():
+    """A user recipe: Float8 with delayed scaling rowwise (each child keeps its own history), MXFP8 columnwise."""
+    delayed = lambda dtype: qtensor.Float8Quantizer(dtype, scaling="delayed", amax_history_len=16)
+    return qtensor.recipes.ByTensorType(
+        "hybrid_delayed",
+        input=lambda: qtensor.HybridQuantizer(delayed(torch.float8_e4m3fn), qtensor.MXFP8Quantizer()),
+        weight=lambda: qtensor.HybridQuantizer(delayed(torch.float8_e4m3fn), qtensor.MXFP8Quantizer()),
+        grad_output=lambda: qtensor.HybridQuantizer(delayed(torch.float8_e5m2), qtensor.MXFP8Quantizer(torch.float8_e5m2)),
+    )
 
 
 def mlp(recipe, weights, override=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
-    qtensor.quantize_(model, qtensor.Recipe(getattr(qtensor.recipes, recipe)(), backward_override=override), weights=weights)
+    factory = _hybrid_delayed() if recipe == "hybrid_delayed" else getattr(qtensor.recipes, recipe)()
+    qtensor.quantize_(model, qtensor.Recipe(factory, backward_override=override), weights=weights)
     return model
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, "hybrid_delayed"])
 def test_a_quantized_model_compiles_without_graph_breaks(recipe, weights):
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(mlp(recipe, weights))(torch.randn(16, 64))
@@ -91,7 +104,7 @@ def _step(model, x, seed):
 
 TRAINING_CASES = [
     *[(recipe, override) for recipe in STATELESS_RECIPES for override in (None, "high_precision", "dequantized")],
-    ("float8_delayed", None),  # delayed scaling takes no backward override (qtensor.Recipe says why)
+    *[(recipe, None) for recipe in DELAYED],  # delayed scaling takes no backward override (qtensor.Recipe says why)
 ]
 
 
@@ -113,9 +126,12 @@ def test_compiled_training_matches_eager_and_does_not_recompile(recipe, weights,
         for got, expected in zip(_histories(compiled_model), _histories(eager), strict=True):
             assert torch.equal(got, expected)
     assert counter.frame_count == 1
-    if recipe == "float8_delayed":  # the histories did move: each input and gradient history holds three steps
-        layers = [m.weight.linear_quantizers for m in compiled_model.modules() if isinstance(m, nn.Linear)]
-        assert all(int((q.amax_history >= 0).sum()) == 3 for layer in layers for q in (layer.input, layer.grad_output))
+    if recipe in DELAYED:  # the histories did move: three steps are in each one the casts used
+        first, last = [m.weight.linear_quantizers for m in compiled_model.modules() if isinstance(m, nn.Linear)]
+        # (The first layer's gradient makes no rowwise copy, for no dgrad: a hybrid's rowwise child
+        # is never used there.)
+        used = [first.input, last.input, last.grad_output]
+        assert all(int((h >= 0).sum()) == 3 for q in used for h in q.state_buffers().values())
 
 
 INDUCTOR_CASES = [
@@ -232,3 +248,32 @@ def test_eager_backward_records_into_the_history_the_quantizer_holds_then():
         layer.grad_output.amax_history = layer.grad_output.amax_history.clone()  # as a move does
     out.sum().backward()
     assert all(int((layer.grad_output.amax_history >= 0).sum()) == 1 for layer in layers)
+
+
+class _Checkpointed(nn.Module):
+    """Two quantized layers recomputed in the backward (torch.utils.checkpoint, non-reentrant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda t: self.b(nn.functional.gelu(self.a(t))), x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_delayed_scaling_compiles_with_activation_checkpointing(weights):
+    """The recomputed forward inside the compiled step neither casts at another scale nor records a
+    second time: outputs, gradients and histories equal eager's, step after step."""
+    torch.manual_seed(0)
+    eager = _Checkpointed()
+    qtensor.quantize_(eager, qtensor.recipes.float8_delayed(), weights=weights)
+    compiled_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        for got, expected in zip(_step(compiled, x, step), _step(eager, x, step)):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for got, expected in zip(_histories(compiled_model), _histories(eager), strict=True):
+            assert torch.equal(got, expected)
