@@ -8,7 +8,8 @@ from .formats.hybrid import HybridQuantizedTensor, HybridQuantizer
 from .formats.identity import IdentityQuantizer, IdentityTensor
 from .formats.mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from .formats.nvfp4 import NVFP4Quantizer, NVFP4Tensor
-from .linear import DynamicWeight, LinearQuantizers
+from .dynamic_weight import DynamicWeight
+from .layer import LinearQuantizers
 from .quantize import QuantizeReport, dequantize_, quantize_
 from .quantizer import Quantizer
 from .recipe import Recipe, Role

@@ -1,4 +1,4 @@
-"""safetensors checkpoints of quantized tensors and models (API.md "Checkpoints").
+"""safetensors checkpoints of quantized tensors and models (docs/checkpoints.md).
 
 A file is a plain safetensors file. A quantized tensor saved under `key` becomes the ordinary named
 tensors `key.<buffer>` of its buffer contract (`QuantizedTensor.to_buffers`), and its description
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .linear import DynamicWeight
-from .tensor import QuantizedTensor, _TensorPlan, own_bytes
+from .dynamic_weight import DynamicWeight
+from .plan import TensorPlan
+from .tensor import QuantizedTensor, own_bytes
 
 FORMAT_VERSION = 1
 METADATA_KEY = "qtensor"
@@ -153,7 +154,7 @@ def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> Non
                 f"{key}: the model holds {_describe(target)}, the file {_describe(source)}; load_model "
                 f"restores only the same format. {hint}."
             )
-        same = _TensorPlan.of(target).key() == _TensorPlan.of(source).key() and target.shape == source.shape
+        same = TensorPlan.of(target).data_key() == TensorPlan.of(source).data_key() and target.shape == source.shape
         if not same or target.quantizer != source.quantizer:
             raise ValueError(
                 f"{key}: the model holds {_describe(target)}, the file {_describe(source)}. Quantize the model "
@@ -166,7 +167,7 @@ def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> Non
 def _describe(tensor: torch.Tensor) -> str:
     if isinstance(tensor, QuantizedTensor):
         directions = "+".join(d for d in ("rowwise", "columnwise") if getattr(tensor, d) is not None)
-        return f"{type(tensor).__name__} {list(tensor.shape)} ({directions}) from {tensor.quantizer!r}"
+        return f"{type(tensor).data_class.__name__} {list(tensor.shape)} ({directions}) from {tensor.quantizer!r}"
     return f"plain {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
 
 

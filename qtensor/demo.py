@@ -30,7 +30,7 @@ from . import recipes
 from .checkpoint import load_model, save_model
 from .formats_table import print_formats_table
 from .fsdp import gather_stats
-from .linear import DynamicWeight
+from .dynamic_weight import DynamicWeight
 from .optim import MasterWeights
 from .quantize import linear_sites, quantize_
 from .recipe import Recipe
@@ -285,7 +285,7 @@ def main(argv=None) -> None:
         print_table(results, args, sharding)
     if sharding is not None:
         sharding.close()
-        # DESIGN.md §4: a gloo process group can abort at interpreter exit; leave without the teardown.
+        # docs/design.md, FSDP2: a gloo process group can abort at interpreter exit; leave without the teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

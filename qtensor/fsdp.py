@@ -1,8 +1,8 @@
-"""FSDP2 all-gather extensions: every format gathers its low-precision bytes (DESIGN.md §4).
+"""FSDP2 all-gather extensions: every format gathers its low-precision bytes (docs/design.md, FSDP2).
 
-`QuantizedTensor` (weights="quantized") and `DynamicWeight` (weights="dynamic", which quantizes its
-local shard first) implement FSDP2's `fsdp_pre_all_gather` / `fsdp_post_all_gather` through the two
-functions here, written once over the buffer contract:
+A quantized layer weight (weights="quantized") and `DynamicWeight` (weights="dynamic", which
+quantizes its local shard first) implement FSDP2's `fsdp_pre_all_gather` / `fsdp_post_all_gather`
+(weight.py) through the two functions here, written once over the buffer contract:
 
 - Each gather carries only the direction its GEMM reads: the forward gather the rowwise copy (plus
   what the backward reads when no re-gather follows, `reshard_after_forward=False`), the
@@ -20,34 +20,39 @@ functions here, written once over the buffer contract:
 from __future__ import annotations
 
 import math
-import sys
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from .numerics import ceil_div, reduce_amax_over
+from .ops import mark_scales, scales_agreed
 from .storage import DIRECTIONS, Storage
 from .tensor import QuantizedTensor, rows_per_index
 
 _PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
-# Bytes this process handed to FSDP2 all-gathers of qtensor weights, and what bf16 would have sent.
+# A diagnostic counter for the whole process, written under a lock: bytes this process handed to
+# FSDP2 all-gathers of qtensor weights, and what bf16 would have sent.
 _STATS = {"all_gathers": 0, "bytes": 0, "bf16_bytes": 0}
+_STATS_LOCK = threading.Lock()
 
 
 def gather_stats(reset: bool = False) -> dict[str, int]:
     """{"all_gathers", "bytes", "bf16_bytes"} handed to all-gathers by this process since the last
     reset: what qtensor weights sent, and what the same shards would have sent in bf16."""
-    stats = dict(_STATS)
-    if reset:
-        _STATS.update(all_gathers=0, bytes=0, bf16_bytes=0)
+    with _STATS_LOCK:
+        stats = dict(_STATS)
+        if reset:
+            _STATS.update(all_gathers=0, bytes=0, bf16_bytes=0)
     return stats
 
 
 def count_gather(inputs, mesh, outer_size) -> None:
-    _STATS["all_gathers"] += 1
-    _STATS["bytes"] += sum(t.numel() * t.element_size() for t in inputs)
-    _STATS["bf16_bytes"] += 2 * ceil_div(outer_size[0], mesh.size()) * math.prod(outer_size[1:])
+    with _STATS_LOCK:
+        _STATS["all_gathers"] += 1
+        _STATS["bytes"] += sum(t.numel() * t.element_size() for t in inputs)
+        _STATS["bf16_bytes"] += 2 * ceil_div(outer_size[0], mesh.size()) * math.prod(outer_size[1:])
 
 
 @dataclass(frozen=True)
@@ -61,44 +66,49 @@ class GatherPlan:
     world_size: int
 
 
-@dataclass(frozen=True)
-class Caller:
-    """What FSDP2 does not pass to the hook, read off its calling frames: the parameter's name and
-    whether its group re-gathers before backward (False for the root, which FSDP2 keeps unsharded)."""
+def regathers_before_backward(running, module) -> bool | None:
+    """Whether FSDP2 gathers this layer's weight again before backward (`reshard_after_forward`).
 
-    name: str
-    regather: bool
-
-
-def calling_fsdp_param() -> Caller:
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    param = group = None
-    frame = sys._getframe(1)
-    for _ in range(12):
-        frame = frame.f_back
-        if frame is None:
-            break
-        candidate = frame.f_locals.get("self")
-        if param is None and isinstance(candidate, FSDPParam):
-            param = candidate
-        if isinstance(candidate, FSDPParamGroup):
-            group = candidate
-            break
-    name = getattr(param, "_param_fqn", None) or "a sharded quantized parameter"
-    # Not found: gather what a backward would read too (correct, more bytes).
-    return Caller(name, group is not None and group._reshard_after_forward)
+    Read from the FSDP2 state of the module FSDP2 passes to the hook (the module owning the
+    parameter) or of the `fully_shard`-ed module above it, found once under the model
+    `quantize_` was given (`running.root`). None where that cannot be read (a torch whose FSDP2
+    state looks different, a model sharded above the module quantize_ was given): the forward
+    gather then also brings what the backward reads, which is correct and sends more bytes."""
+    group = running.fsdp_group
+    if group is None:
+        # False: looked for and not found (not looked for again).
+        group = running.fsdp_group = _param_group_of(module, running.root() if running.root is not None else None) or False
+    try:
+        return bool(group._reshard_after_forward)
+    except AttributeError:
+        return None
 
 
-def directions_needed(linear_quantizers, caller: Caller) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+def _param_group_of(module, root):
+    """The FSDP2 parameter group that holds `module`'s parameters, or None."""
+    candidates = [module] + ([] if root is None else list(root.modules()))
+    for candidate in candidates:
+        get_state = getattr(candidate, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            group = get_state()._fsdp_param_group
+            owners = [param._module_info.module for param in group.fsdp_params]
+        except (AttributeError, AssertionError):
+            continue
+        if any(owner is module for owner in owners):
+            return group
+    return None
+
+
+def directions_needed(linear_quantizers, regather: bool | None) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
     """The directions the GEMMs of this phase read, and every set a gather of this parameter may
-    need (FSDP2 sizes its all-gather buffers once: each gather sends the same number of bytes)."""
+    need (FSDP2 sizes its all-gather buffers once: each gather sends the same number of bytes).
+    `regather` None (unknown) is taken as False: the forward brings what the backward reads too."""
     override = linear_quantizers.backward_override if linear_quantizers is not None else None
     # high_precision saves the forward's dequantized weight; dequantized saves the rowwise copy.
     backward = "columnwise" if override is None else "rowwise"
     both = tuple(dict.fromkeys(("rowwise", backward)))
-    regather = caller.regather
     phases = (("rowwise",), (backward,)) if regather else (("rowwise",), both)
     if torch._C._current_graph_task_id() != -1:  # the pre-backward re-gather runs inside backward
         return (backward,), phases
@@ -108,7 +118,7 @@ def directions_needed(linear_quantizers, caller: Caller) -> tuple[tuple[str, ...
 
 
 def check_block_boundaries(tensor: QuantizedTensor, directions, shard_rows: int, name: str) -> None:
-    """A shard edge must fall on a block boundary of every direction that is gathered (DESIGN.md §4)."""
+    """A shard edge must fall on a block boundary of every direction that is gathered (docs/design.md, FSDP2)."""
     for direction in directions:
         storage = tensor.storage_for(direction)
         block = storage.row_block()
@@ -125,8 +135,6 @@ def agree_on_scales(tensor: QuantizedTensor, group) -> None:
     """Make every rank's shard use one tensor-wide scale. A shard written without the mesh's amax
     (initialised after `to_empty`, loaded from plain values) may hold its own; then every rank
     requantizes its shard from its exact values with the amax reduced over the mesh."""
-    from .ops import mark_scales, scales_agreed
-
     if scales_agreed(tensor):
         return
     import torch.distributed as dist

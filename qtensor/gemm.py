@@ -1,4 +1,4 @@
-"""The three GEMMs of a linear layer (DESIGN.md §1), on quantized or plain operands.
+"""The three GEMMs of a linear layer (docs/design.md, The three GEMMs), on quantized or plain operands.
 
     fprop  Y  = X · Wᵀ      X rowwise,  W rowwise
     dgrad  dX = dY · W      dY rowwise, W columnwise
@@ -8,19 +8,26 @@ Each GEMM is written as C [m, n] = A · Bᵀ over two operand storages whose red
 contiguous: X and W rowwise for fprop; dY rowwise and W columnwise for dgrad; dY and X columnwise
 for wgrad (a columnwise storage holds the transposed matrix, reduction dimension last).
 
-The backend is chosen per pair of operand storages in one table, `BACKENDS`. On CUDA: Float8 ×
-Float8 runs on the FP8 tensor cores (`torch._scaled_mm`); every other pair of Float8, MXFP8 and
-NVFP4 storages (hybrid children included) on the bf16 tensor cores over operands dequantized to
-bf16, which holds their values, with the tensor scales applied to the fp32 result; on Blackwell,
-MXFP8 and NVFP4 pairs go first to the native block-scaled GEMM. Any other pair, and every pair on
-the CPU, runs the emulated reference: each operand's direction dequantized to fp32 and the product
-taken in fp32. The reference runs on any device and is what every fast backend is checked against.
+The backend is chosen by the operand forms the two storages declare, never by their format. A
+storage offers each form through a method that returns None where it has none
+(`Storage.block_scaled_operand`, `fp8_tensorwise_operand`, `bf16_operand`); `BACKENDS` lists the
+fast backends in order, each naming the form it multiplies and the devices it runs on, and the
+first whose form both storages offer, whose device test passes and which takes the shapes runs.
+Today that gives, on CUDA: Float8 × Float8 on the FP8 tensor cores (`torch._scaled_mm`); every
+other pair of Float8, MXFP8 and NVFP4 storages (hybrid children included) on the bf16 tensor cores
+over operands dequantized to bf16, which holds their values, with the tensor scales applied to the
+fp32 result; on Blackwell, MXFP8 and NVFP4 pairs first on the native block-scaled GEMM. Any other
+pair, and every pair on the CPU, runs the emulated reference: each operand's direction dequantized
+to fp32 and the product taken in fp32. The reference runs on any device and is what every fast
+backend is checked against.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -67,14 +74,18 @@ def _finish(product: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.d
 
 
 # ---- fast backends ---------------------------------------------------------------------------------
-def _float8_scaled_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """Float8 × Float8 on the FP8 tensor cores: A row-major, B column-major (the transpose of a
-    storage whose reduction dimension is contiguous), one fp32 scale each; the bias add and the
-    output cast happen in the GEMM's epilogue. None where `_scaled_mm` cannot take the shapes."""
+# Each takes the two operands' forms in a list it may empty (a bf16 form is as large as its operand
+# and is freed before the epilogue), the bias and the output dtype; None where it cannot take them.
+def _float8_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """FP8 × FP8 with one scale per tensor (`Storage.fp8_tensorwise_operand`) on the FP8 tensor
+    cores: A row-major, B column-major (the transpose of an operand whose reduction dimension is
+    contiguous), one fp32 scale each; the bias add and the output cast happen in the GEMM's
+    epilogue. None where `_scaled_mm` cannot take the shapes."""
+    a, b = forms
     (m, k), (n, k_b) = a.data.shape, b.data.shape
     if k != k_b or m % 16 or n % 16 or k % 16 or not (a.data.is_contiguous() and b.data.is_contiguous()):
         return None
-    if a.fp8_dtype == torch.float8_e5m2 and b.fp8_dtype == torch.float8_e5m2:
+    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
         return None  # no E5M2 × E5M2 tensor-core GEMM
     fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
     product = torch._scaled_mm(
@@ -100,16 +111,12 @@ def _fp32_reductions():
         matmul.allow_bf16_reduced_precision_reduction = True
 
 
-def _dequantized_bf16_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """Operands whose values bf16 holds exactly, on the bf16 tensor cores (`Storage.bf16_operand`):
-    MXFP8 (an E4M3 or E5M2 code times a power of two, exact unless below bf16's normal range,
-    2**-126), NVFP4 (an E2M1 code times its E4M3 block scale) and Float8 (the codes), each
-    dequantized to bf16 for this GEMM only. The products are exact in fp32 and summed in fp32; the
-    tensor scales of NVFP4 and Float8 multiply the fp32 result. None where the two operands do not
-    meet in one domain (one NVFP4 copy carries the Hadamard transform and the other does not)."""
-    if _transformed(a) != _transformed(b):
-        return None
-    (a16, a_scale), (b16, b_scale) = a.bf16_operand(), b.bf16_operand()
+def _dequantized_bf16_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Operands whose values bf16 holds exactly (`Storage.bf16_operand`), each dequantized to bf16
+    for this GEMM only, on the bf16 tensor cores: the products are exact in fp32 and summed in
+    fp32; the operands' tensor scales multiply the fp32 result."""
+    (a16, a_scale), (b16, b_scale) = forms
+    forms.clear()  # the caller's only reference: `del` below then frees the bf16 operands
     if a16.shape[1] != b16.shape[1]:
         return None
     plain_bf16 = a_scale is None and b_scale is None and bias is None and out_dtype == torch.bfloat16
@@ -123,18 +130,19 @@ def _dequantized_bf16_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype
     kernel = lookup("gemm.scale_output", product)
     if kernel is not None:  # the tensor scales are computed inside the epilogue: no extra launches
         return kernel(product, a_scale, b_scale, bias, out_dtype)
-    scale = b_scale.value() if a_scale is None else (a_scale.value() if b_scale is None else a_scale.value() * b_scale.value())
-    return _scale_and_finish(product, scale, bias, out_dtype)
+    return _scale_and_finish(product, _scale_value(a_scale, b_scale), bias, out_dtype)
+
+
+def _scale_value(a_scale, b_scale) -> torch.Tensor:
+    """The factor of two operands' TensorScales (either may be None, not both), as a 0-d fp32 tensor."""
+    if a_scale is None or b_scale is None:
+        return (a_scale or b_scale).value()
+    return a_scale.value() * b_scale.value()
 
 
 def _scale_and_finish(product, scale, bias, out_dtype) -> torch.Tensor:
     """The epilogue of operands with tensor scales: fp32 product times the scale, then `_finish`."""
     return _finish(product * scale, bias, out_dtype)
-
-
-def _transformed(storage) -> bool:
-    """True for an NVFP4 columnwise copy held in the Hadamard-transformed domain."""
-    return storage.direction == "columnwise" and getattr(storage, "rht", False)
 
 
 def _bf16_gemm_capable(device: torch.device) -> bool:
@@ -146,7 +154,7 @@ def _fp8_gemm_capable(device: torch.device) -> bool:
 
 
 def _block_scaled_gemm_capable(device: torch.device) -> bool:
-    """Blackwell (sm_100 and later): MXFP8 and NVFP4 GEMMs with their block scales in the tensor cores."""
+    """Blackwell (sm_100 and later): GEMMs with their block scales in the tensor cores."""
     return device.type == "cuda" and _capability(device.index) >= (10, 0)
 
 
@@ -172,76 +180,126 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 3, 2, 1, 4).reshape(-1)  # [row tile, col tile, j, i, c]
 
 
-def _native_block_operand(storage):
-    """(data [R, K] or packed [R, K/2] row-major, swizzled scales, recipe, tensor scale or None) of an
-    MXFP8 or NVFP4 storage, reduction dimension contiguous; None where the shapes do not fit."""
+def _block_scaling(operand):
+    """cuBLAS's scaling type of a block-scaled operand: blocks of 32 with E8M0 scales or of 16 with
+    E4M3 scales; None for any other."""
     F = torch.nn.functional
-    if storage.format_name == "mxfp8":
-        data, scales = storage.data, storage.scale_inv
-        if storage.direction == "columnwise":  # MXFP8 keeps [rows, cols] in both directions
-            data, scales = data.t().contiguous(), scales.t().contiguous()
-        if data.shape[1] % 32:
-            return None
-        return data, swizzle_scales(scales).view(torch.float8_e8m0fnu), F.ScalingType.BlockWise1x32, None
-    if _transformed(storage) or storage.stored_length() % 32:
-        return None
-    data = storage.data.view(torch.float4_e2m1fn_x2)
-    scales = swizzle_scales(storage.scale_inv.view(torch.uint8)).view(torch.float8_e4m3fn)
-    return data, scales, F.ScalingType.BlockWise1x16, storage.tensor_scale_inv()
+    return {
+        (32, torch.float8_e8m0fnu): F.ScalingType.BlockWise1x32,
+        (16, torch.float8_e4m3fn): F.ScalingType.BlockWise1x16,
+    }.get((operand.block_size, operand.scales.dtype))
 
 
-def _block_scaled_mm(a, b, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """MXFP8 × MXFP8 or NVFP4 × NVFP4 on Blackwell's block-scaled tensor cores; NVFP4's tensor
-    scales multiply the fp32 result, as on the bf16 path. None where the shapes do not fit."""
-    a_op, b_op = _native_block_operand(a), _native_block_operand(b)
-    if a_op is None or b_op is None or a_op[2] != b_op[2] or a_op[0].shape[0] % 16 or b_op[0].shape[0] % 16:
+def _block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Two operands of one block scaling (`Storage.block_scaled_operand`) on Blackwell's
+    block-scaled tensor cores; their tensor scales multiply the fp32 result, as on the bf16 path.
+    None where the shapes do not fit: K a multiple of 32, rows of 16."""
+    a, b = forms
+    scaling = _block_scaling(a)
+    if scaling is None or scaling != _block_scaling(b) or a.length % 32 or b.length % 32 or a.data.shape[0] % 16 or b.data.shape[0] % 16:
         return None
-    scaled = a_op[3] is not None
-    product = torch.nn.functional.scaled_mm(
-        a_op[0], b_op[0].t(), a_op[1], a_op[2], b_op[1], b_op[2],
-        swizzle_a=torch.nn.functional.SwizzleType.SWIZZLE_32_4_4, swizzle_b=torch.nn.functional.SwizzleType.SWIZZLE_32_4_4,
+    F = torch.nn.functional
+    swizzled = lambda operand: swizzle_scales(operand.scales.view(torch.uint8)).view(operand.scales.dtype)
+    scaled = a.tensor_scale is not None or b.tensor_scale is not None
+    product = F.scaled_mm(
+        a.data, b.data.t(), swizzled(a), scaling, swizzled(b), scaling,
+        swizzle_a=F.SwizzleType.SWIZZLE_32_4_4, swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
         output_dtype=torch.float32 if scaled or bias is not None else out_dtype,
     )
     if scaled:
-        return _scale_and_finish(product, a_op[3] * b_op[3], bias, out_dtype)
+        return _scale_and_finish(product, _scale_value(a.tensor_scale, b.tensor_scale), bias, out_dtype)
     return _finish(product, bias, out_dtype) if bias is not None else product
 
 
-# (format of A's storage, format of B's storage) → the backends to try, in order, each with its
-# device test; the first that takes the operands runs. Float8 × Float8 runs on the FP8 tensor cores;
-# every pair of the three formats, hybrid children included (MXFP8 forward × NVFP4 backward), on
-# the bf16 tensor cores; MXFP8 and NVFP4 pairs first on Blackwell's block-scaled ones.
-_BF16_EXACT_FORMATS = ("float8", "mxfp8", "nvfp4")
-Backend = tuple[Callable[[torch.device], bool], Callable]
-BACKENDS: dict[tuple[str, str], tuple[Backend, ...]] = {
-    (a, b): ((_bf16_gemm_capable, _dequantized_bf16_mm),) for a in _BF16_EXACT_FORMATS for b in _BF16_EXACT_FORMATS
-}
-BACKENDS[("float8", "float8")] = ((_fp8_gemm_capable, _float8_scaled_mm),)
-for _format in ("mxfp8", "nvfp4"):
-    BACKENDS[(_format, _format)] = ((_block_scaled_gemm_capable, _block_scaled_mm),) + BACKENDS[(_format, _format)]
+# ---- choosing a backend ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Backend:
+    """A fast GEMM. `operand` names the Storage method that gives the form it multiplies, which both
+    storages must offer; `capable` tests the device; `gemm` computes the product (see the fast
+    backends above). `exclusive`: a pair whose storages both offer the form runs here or on the
+    reference, never on a later backend (its form is asked for even where the device fails the
+    test, so it must be cheap: `Storage.fp8_tensorwise_operand`)."""
+
+    name: str
+    operand: str
+    capable: Callable[[torch.device], bool]
+    gemm: Callable[[list, torch.Tensor | None, torch.dtype], torch.Tensor | None]
+    exclusive: bool = False
+
+
+# In order: the first that takes a pair runs it. The forms are disjoint today (Float8 offers the
+# tensorwise one, MXFP8 and NVFP4 the block-scaled one, all three the bf16 one), so the order only
+# says that the bf16 tensor cores come last.
+BACKENDS: tuple[Backend, ...] = (
+    Backend("block_scaled_mm", "block_scaled_operand", _block_scaled_gemm_capable, _block_scaled_mm),
+    # FP8 × FP8 with tensor scales runs on the FP8 tensor cores or on the reference, never on a third path.
+    Backend("float8_scaled_mm", "fp8_tensorwise_operand", _fp8_gemm_capable, _float8_scaled_mm, exclusive=True),
+    Backend("dequantized_bf16_mm", "bf16_operand", _bf16_gemm_capable, _dequantized_bf16_mm),
+)
+
+
+def _forms(method: str, a, b) -> list | None:
+    """[A's form, B's form] by the Storage method `method`, or None where either storage has none
+    (B is not asked when A has none)."""
+    a_form = getattr(a, method)()
+    if a_form is None:
+        return None
+    b_form = getattr(b, method)()
+    return None if b_form is None else [a_form, b_form]
+
+
+def _fast_product(a, b, device: torch.device, bias, out_dtype) -> tuple[str, torch.Tensor] | None:
+    """(backend name, C) by the first backend of BACKENDS that takes storages `a` and `b`, or None."""
+    if a.reduction_transform() != b.reduction_transform():
+        return None  # the stored values lie in different domains: only the reference undoes a transform
+    for backend in BACKENDS:
+        capable = backend.capable(device)
+        if not (capable or backend.exclusive):
+            continue  # a form may cost a pass over its operand: asked for only where it can be used
+        forms = _forms(backend.operand, a, b)
+        if forms is None:
+            continue
+        product = backend.gemm(forms, bias, out_dtype) if capable else None
+        if product is not None:
+            return backend.name, product
+        if backend.exclusive:
+            return None
+    return None
+
 
 _backend_counts: dict[str, int] = {}
+_backend_counts_lock = threading.Lock()
 
 
 def backend_counts(reset: bool = False) -> dict[str, int]:
-    """How many GEMMs each backend ran since the last reset ("reference" or a BACKENDS entry's name)."""
-    counts = dict(_backend_counts)
-    if reset:
-        _backend_counts.clear()
+    """A diagnostic counter, process-wide: how many GEMMs each backend ran ("reference" or a
+    BACKENDS entry's name) since the last reset, over all threads. For tests and profiling; nothing
+    reads it to choose anything. Under torch.compile a GEMM counts when it is traced, not when the
+    compiled graph runs."""
+    with _backend_counts_lock:
+        counts = dict(_backend_counts)
+        if reset:
+            _backend_counts.clear()
     return counts
+
+
+def _count(name: str) -> None:
+    if torch.compiler.is_compiling():  # traced by dynamo, which cannot trace a lock
+        _backend_counts[name] = _backend_counts.get(name, 0) + 1
+        return
+    with _backend_counts_lock:
+        _backend_counts[name] = _backend_counts.get(name, 0) + 1
 
 
 def _nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bias, out_dtype) -> torch.Tensor:
     """C = A · Bᵀ, A and B each one direction of an operand whose reduction dimension is contiguous."""
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and not a.is_meta:
-        a_storage, b_storage = a.storage_for(a_direction), b.storage_for(b_direction)
-        for capable, backend in BACKENDS.get((a_storage.format_name, b_storage.format_name), ()):
-            product = backend(a_storage, b_storage, bias, out_dtype) if capable(a.device) else None
-            if product is not None:
-                name = backend.__name__.lstrip("_")
-                _backend_counts[name] = _backend_counts.get(name, 0) + 1
-                return product
-    _backend_counts["reference"] = _backend_counts.get("reference", 0) + 1
+        fast = _fast_product(a.storage_for(a_direction), b.storage_for(b_direction), a.device, bias, out_dtype)
+        if fast is not None:
+            name, product = fast
+            _count(name)
+            return product
+    _count("reference")
     return _finish(_fp32_matmul(_k_last(a, a_direction), _k_last(b, b_direction).t()), bias, out_dtype)
 
 

@@ -9,6 +9,7 @@ the oracle. `reference_kernels()` (or QTENSOR_KERNELS=reference) makes every loo
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import os
 from typing import Callable
@@ -39,21 +40,22 @@ TABLE: dict[str, tuple[str, str]] = {
     "gemm.scale_output": ("qtensor_kernels.gemm", "scale_output"),  # gemm._scale_and_finish
 }
 
-_forced_reference = [os.environ.get("QTENSOR_KERNELS", "") == "reference"]
+# A switch (per thread and task): QTENSOR_KERNELS=reference sets it for the whole process.
+_forced_reference = contextvars.ContextVar("qtensor_reference_kernels", default=os.environ.get("QTENSOR_KERNELS", "") == "reference")
 
 
 @contextlib.contextmanager
 def reference_kernels():
     """Inside, every operation runs its pure-torch reference, also on CUDA tensors."""
-    previous, _forced_reference[0] = _forced_reference[0], True
+    token = _forced_reference.set(True)
     try:
         yield
     finally:
-        _forced_reference[0] = previous
+        _forced_reference.reset(token)
 
 
 def lookup(name: str, tensor) -> Callable | None:
-    if _forced_reference[0] or tensor.device.type != "cuda":
+    if _forced_reference.get() or tensor.device.type != "cuda":
         return None
     if torch.compiler.is_compiling() or is_fake(tensor):
         # Traced by torch.compile: the kernel as a custom op (qtensor_kernels/compiled.py), which the
@@ -68,17 +70,18 @@ def lookup(name: str, tensor) -> Callable | None:
     return _resolved[name]
 
 
+# Caches of imported kernels: filled once per name; a race between threads imports the same function twice.
 _resolved: dict[str, Callable | None] = {}
 
 
 def _compiled_wrappers() -> dict[str, Callable]:
     if _compiled[0] is None:
-        try:
-            from qtensor_kernels.compiled import WRAPPERS
+        try:  # by name, as TABLE's kernels: the kernels build on the formats, not the other way round
+            WRAPPERS = importlib.import_module("qtensor_kernels.compiled").WRAPPERS
         except ImportError:  # no Triton
             WRAPPERS = {}
         _compiled[0] = WRAPPERS
     return _compiled[0]
 
 
-_compiled: list = [None]
+_compiled: list = [None]  # a cache, as _resolved

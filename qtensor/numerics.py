@@ -1,11 +1,14 @@
-"""Exact fp32 building blocks shared by the formats (DESIGN.md §2).
+"""Exact fp32 building blocks shared by the formats (docs/numerics.md).
 
 Each function is pure torch and bit-exact on CPU and GPU; the format modules compose them.
 """
 
 import contextlib
+import contextvars
 
 import torch
+
+from .kernels import lookup
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -53,8 +56,6 @@ def to_fp8_saturating(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| over the finite values, as an fp32 0-d tensor (0 for an empty or all-non-finite x)."""
-    from .kernels import lookup
-
     kernel = lookup("finite_amax", x)
     if kernel is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return kernel(x)
@@ -63,24 +64,24 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax().float()
 
 
-_amax_group = None
+# The process group over which tensor-wide amaxes are reduced (a context variable: per thread and task).
+_amax_group: contextvars.ContextVar = contextvars.ContextVar("qtensor_amax_group", default=None)
 
 
 @contextlib.contextmanager
 def reduce_amax_over(group):
     """Inside, every tensor-wide amax (`tensor_amax`) is the MAX over `group`'s ranks: the shards of
-    one sharded tensor get one scale, so a sharded run equals a single-process one (DESIGN.md §4)."""
-    global _amax_group
-    previous, _amax_group = _amax_group, group
+    one sharded tensor get one scale, so a sharded run equals a single-process one (docs/design.md, FSDP2)."""
+    token = _amax_group.set(group)
     try:
         yield
     finally:
-        _amax_group = previous
+        _amax_group.reset(token)
 
 
 def sharded_quantization() -> bool:
     """True inside `reduce_amax_over`: the tensor being quantized is one shard of a larger one."""
-    return _amax_group is not None
+    return _amax_group.get() is not None
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -91,10 +92,11 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
     """`amax` (of this rank's shard) max-ed in place over `reduce_amax_over`'s group, if inside it."""
-    if _amax_group is not None:
+    group = _amax_group.get()
+    if group is not None:
         import torch.distributed as dist
 
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_amax_group)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
 
@@ -127,7 +129,7 @@ def scale_from_amax(amax: torch.Tensor, max_value: float, margin: int = 0) -> to
 
 
 def pad_to_multiple(x: torch.Tensor, block: int, dim: int) -> torch.Tensor:
-    """Zero-pad `dim` of a 2-D tensor up to a multiple of `block` (DESIGN.md §2: partial blocks)."""
+    """Zero-pad `dim` of a 2-D tensor up to a multiple of `block` (docs/numerics.md: partial blocks behave as zero-padded)."""
     remainder = x.shape[dim] % block
     if remainder == 0:
         return x

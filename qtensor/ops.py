@@ -1,4 +1,4 @@
-"""Format-independent dispatch ops, registered once on QuantizedTensor (DESIGN.md §3).
+"""Format-independent dispatch ops, registered once on QuantizedTensor (docs/design.md, Dispatch).
 
 These are the ops FSDP2 and nn.Module send to parameters. Each works on storages, so every format
 (and a hybrid of any two) gets them for free. A shape an op cannot keep quantized (a view that
@@ -9,7 +9,7 @@ import torch
 from torch._prims_common import infer_size
 from torch.utils._pytree import tree_map_only
 
-from . import layer_state, numerics
+from . import numerics
 from .quantizer import INPUT_DTYPES, fold_to_2d
 from .storage import DIRECTIONS
 from .tensor import QuantizedTensor, dequantized_fallback, rows_per_index
@@ -162,15 +162,9 @@ def _copy(func, args, kwargs):
     self, src = args[0], args[1]
     if not isinstance(self, QuantizedTensor):  # a plain tensor receiving a quantized one
         return self.copy_(src.dequantize(), non_blocking=kwargs.get("non_blocking", False))
-    if isinstance(src, QuantizedTensor) and layer_state.has_bound_state(src) and _byte_compatible(self, src):
-        # The compiled step writing back a weight it was given: its layer's updated running state,
-        # and its bytes where the step wrote them (layer_state.py).
-        layer_state.copy_state(self, src)
-        _copy_storages(self, src, unless=layer_state.same_values)
-        return self
-    if isinstance(src, QuantizedTensor) and _byte_compatible(self, src):
+    if isinstance(src, QuantizedTensor) and byte_compatible(self, src):
         _check_tensor_wide_buffers_match(self, src)
-        _copy_storages(self, src)
+        copy_storages(self, src)
         # The bytes carry their scale's standing with them (FSDP2 re-pads a shard by copying it).
         mark_scales(self, scales_agreed(src))
         return self
@@ -178,7 +172,7 @@ def _copy(func, args, kwargs):
     plain = src.dequantize() if isinstance(src, QuantizedTensor) else src
     plain = plain.to(device=self.device, dtype=self.dtype).expand(self.shape)
     fresh = self.quantizer.quantize(plain, rowwise=self.has_rowwise, columnwise=self.has_columnwise)
-    _copy_storages(self, fresh)
+    copy_storages(self, fresh)
     # A shard written outside reduce_amax_over has a scale of its own rows: fsdp.py checks, at its
     # next all-gather, that every rank's scale agrees.
     mark_scales(self, numerics.sharded_quantization())
@@ -191,7 +185,7 @@ def _tensor_wide_buffers(tensor: QuantizedTensor) -> list[torch.Tensor]:
 
 def mark_scales(tensor: QuantizedTensor, agreed: bool) -> None:
     """Record on the tensor-wide buffers (the objects every slice of the tensor shares) whether
-    they are known to be the whole sharded tensor's (DESIGN.md §4)."""
+    they are known to be the whole sharded tensor's (docs/design.md, FSDP2)."""
     for buffer in _tensor_wide_buffers(tensor):
         buffer._qtensor_scale_agreed = agreed
 
@@ -234,9 +228,10 @@ def _check_not_a_slice_of_tensor_wide_scale(self: QuantizedTensor) -> None:
 
 
 def _check_tensor_wide_buffers_match(self: QuantizedTensor, src: QuantizedTensor) -> None:
-    """Bytes copied into a row slice must keep the scale the rest of the tensor shares. Inside a
-    torch.distributed.checkpoint load the slice adopts the source's scale instead: DCP fills every
-    row of the tensor from one checkpoint, whose shards share one scale (DESIGN.md §4)."""
+    """Bytes copied into a row slice must keep the scale the rest of the tensor shares. A load
+    target (`fills_from_checkpoint`: a module's state_dict entry, which torch.distributed.checkpoint
+    fills row range by row range from one checkpoint whose shards share one scale) adopts the
+    source's scale instead (docs/checkpoints.md)."""
     if self.is_meta:  # no values to compare (a model built on the meta device)
         return
     for direction, mine in _storages(self):
@@ -246,40 +241,20 @@ def _check_tensor_wide_buffers_match(self: QuantizedTensor, src: QuantizedTensor
         ]
         if not (mine.row_slice and differing):
             continue
-        if _inside_checkpoint_load():
+        if self.fills_from_checkpoint:
             for name in differing:
                 getattr(mine, name).copy_(getattr(theirs, name))
             continue
         _check_not_a_slice_of_tensor_wide_scale(self)
 
 
-def _inside_checkpoint_load() -> bool:
-    """True when torch.distributed.checkpoint's load is copying a saved chunk into this tensor."""
-    import sys
-
-    frame = sys._getframe(2)
-    for _ in range(30):
-        if frame is None:
-            return False
-        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint") and frame.f_code.co_name in (
-            "load",
-            "_load_state_dict",
-            "read_data",
-            "commit_tensor",
-            "_load_state_dict_from_keys",
-        ):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:
-    if type(self) is not type(src) or self.shape != src.shape or self.quantizer != src.quantizer:
+def byte_compatible(self: QuantizedTensor, src: QuantizedTensor) -> bool:
+    if type(self).data_class is not type(src).data_class or self.shape != src.shape or self.quantizer != src.quantizer:
         return False
     return all(getattr(src, d) is not None and mine.same_layout(getattr(src, d)) for d, mine in _storages(self))
 
 
-def _copy_storages(self: QuantizedTensor, source: QuantizedTensor, unless=None) -> None:
+def copy_storages(self: QuantizedTensor, source: QuantizedTensor, unless=None) -> None:
     """Copy `source`'s bytes into every buffer of `self`'s directions, each buffer once (and not
     where `unless(theirs, mine)` holds)."""
     done = set()
@@ -335,7 +310,7 @@ def _keeps_float(kwargs) -> bool:
 @implements(aten.zero_.default)
 def _zero(func, args, kwargs):
     self = args[0]
-    _copy_storages(self, quantized_zeros(self, self.shape))
+    copy_storages(self, quantized_zeros(self, self.shape))
     return self
 
 

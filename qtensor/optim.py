@@ -30,25 +30,6 @@ def _master_of(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ).detach()
 
 
-_LIVE: "weakref.WeakSet[MasterWeights]" = weakref.WeakSet()
-_QUEUED_FOR_TASK = [None]
-
-
-def hand_over_at_end_of_backward() -> None:
-    """Called by the quantized linear's backward: once per backward pass, queue the hand-over of
-    the quantized parameters' gradients to their masters for when the pass ends."""
-    task = torch._C._current_graph_task_id()
-    if not _LIVE or _QUEUED_FOR_TASK[0] == task:
-        return
-    _QUEUED_FOR_TASK[0] = task
-    torch.autograd.Variable._execution_engine.queue_callback(_hand_over_all)
-
-
-def _hand_over_all() -> None:
-    for master_weights in list(_LIVE):
-        master_weights.hand_over_gradients()
-
-
 class MasterWeights(torch.optim.Optimizer):
     """A torch optimizer over a model's parameters, with high-precision masters for the quantized ones.
 
@@ -58,8 +39,9 @@ class MasterWeights(torch.optim.Optimizer):
 
     It is a `torch.optim.Optimizer`: `param_groups`, `state` and `defaults` are the wrapped
     optimizer's own objects, so LR schedulers, `torch.amp.GradScaler` and `zero_grad` take it
-    directly. Each quantized parameter's gradient reaches its master when backward ends (the same
-    tensor where the dtypes agree), so what a GradScaler unscales and what gradient clipping scales
+    directly. Each quantized parameter's gradient reaches its master as soon as it is accumulated
+    (a post-accumulate-grad hook on the parameter; under FSDP2, after the reduce-scatter): the same
+    tensor where the dtypes agree, so what a GradScaler unscales and what gradient clipping scales
     is what the step uses.
     """
 
@@ -79,6 +61,7 @@ class MasterWeights(torch.optim.Optimizer):
         self.master_dtype = master_dtype
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._copies: dict[int, tuple] = {}  # id(master) → what _hand_over copied (dtypes differ)
+        self._hooks = []
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         for group in optimizer.param_groups:
@@ -90,24 +73,28 @@ class MasterWeights(torch.optim.Optimizer):
                 master = _master_of(param, self.master_dtype).requires_grad_(param.requires_grad)
                 group["params"][index] = master
                 self.pairs.append((param, master))
-        if self.pairs:
-            _LIVE.add(self)
+                if param.requires_grad:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(_hand_over_hook(self, len(self.pairs) - 1)))
+
+    def hand_over_gradients(self) -> None:
+        """Give each master its parameter's gradient (what the parameters' hooks do as gradients
+        are accumulated)."""
+        for index in range(len(self.pairs)):
+            self.hand_over(index)
 
     @torch.no_grad()
-    def hand_over_gradients(self) -> None:
-        """Give each master its parameter's gradient: the same tensor where the dtypes agree (so
-        unscaling or clipping either is seen by both), else a copy in master_dtype. Runs at the end
-        of every backward pass that reached a quantized layer (after FSDP2 has reduced the
-        gradients), so a GradScaler's unscale_ before step() sees the masters' gradients."""
-        for param, master in self.pairs:
-            grad = param.grad
-            if grad is None or master.grad is grad:
-                continue
-            if grad.dtype == master.dtype:
-                master.grad = grad
-            else:
-                master.grad = grad.detach().to(self.master_dtype)
-                self._copies[id(master)] = (grad, grad._version, master.grad, master.grad._version)
+    def hand_over(self, index: int) -> None:
+        """Give master `index` its parameter's gradient: the same tensor where the dtypes agree (so
+        unscaling or clipping either is seen by both), else a copy in master_dtype."""
+        param, master = self.pairs[index]
+        grad = param.grad
+        if grad is None or master.grad is grad:
+            return
+        if grad.dtype == master.dtype:
+            master.grad = grad
+        else:
+            master.grad = grad.detach().to(self.master_dtype)
+            self._copies[id(master)] = (grad, grad._version, master.grad, master.grad._version)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -183,7 +170,7 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def write_back(self) -> None:
         """Requantize every master into its quantized parameter. A sharded parameter's shards are
-        quantized with one tensor-wide scale: the amax is reduced over its mesh (DESIGN.md §4)."""
+        quantized with one tensor-wide scale: the amax is reduced over its mesh (docs/design.md, FSDP2)."""
         for param, master in self.pairs:
             mesh = getattr(param, "device_mesh", None)
             with reduce_amax_over(mesh.get_group()) if mesh is not None else contextlib.nullcontext():
@@ -219,6 +206,19 @@ class MasterWeights(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"MasterWeights({self.optimizer!r}, master_dtype={self.master_dtype}, masters={len(self.pairs)})"
+
+
+def _hand_over_hook(master_weights: MasterWeights, index: int):
+    """A post-accumulate-grad hook for parameter `index` (a weak reference: the parameter does not
+    keep its optimizer alive)."""
+    owner = weakref.ref(master_weights)
+
+    def hand_over(param):
+        alive = owner()
+        if alive is not None:
+            alive.hand_over(index)
+
+    return hand_over
 
 
 def _check_optimizer_parameters(optimizer, args, kwargs) -> None:

@@ -1,19 +1,20 @@
-"""quantize_ / dequantize_: give a stock model's nn.Linear layers their quantizers (API.md "Model entry point")."""
+"""quantize_ / dequantize_: give a stock model's nn.Linear layers their quantizers (README, "Quantize a model")."""
 
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .formats.float8 import Float8Quantizer
-from .formats.hybrid import HybridQuantizer
-from .linear import DynamicWeight, LinearQuantizers, carries_quantizers
+from .dynamic_weight import DynamicWeight
+from .layer import LayerRunning, LinearQuantizers, carries_quantizers
 from .recipe import Recipe
 from .tensor import QuantizedTensor
+from .weight import quantized_weight, refuse_tensor_parallel
 
 WEIGHT_MODES = ("dynamic", "quantized")
 
@@ -98,6 +99,7 @@ def quantize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     weights: str = "dynamic",
     strict: bool = False,
+    amax_reduction_group=None,
 ) -> QuantizeReport:
     """Give every selected linear layer of `model` its quantizers, in place; the modules stay the same objects.
 
@@ -111,6 +113,10 @@ def quantize_(
     layer type qtensor does not quantize, a parameter that is not a layer's weight). With
     `strict=True` nothing is changed and a ValueError names every linear layer that cannot be
     quantized (shapes, tied weights) and every `weight` matrix of a layer type qtensor does not know.
+
+    `amax_reduction_group`: the process group over which delayed scaling's amaxes are reduced before
+    they are recorded, so that every data-parallel rank holds the same histories (DDP: the default
+    group). Under FSDP2 the mesh's group is used when none is given.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -152,6 +158,7 @@ def quantize_(
                 name=site.layer,
                 parameter="" if site.attribute == "weight" else site.parameter,
                 transposed=site.transposed,
+                running=LayerRunning(amax_reduction_group, weakref.ref(model)),
             )
             plan.append((site, linear))
     _check_no_shared_running_state(plan)
@@ -214,20 +221,19 @@ def _takes_module_and_name(function) -> bool:
 
 
 def _check_no_shared_running_state(plan) -> None:
-    """A delayed-scaling quantizer keeps one amax history: it must serve one tensor of one layer."""
+    """A quantizer with running state (a delayed-scaling amax history, a hybrid child's too) must
+    serve one tensor of one layer."""
     seen: dict[int, str] = {}
     for _, linear in plan:
         for role, quantizer in linear.roles().items():
-            children = [quantizer.rowwise, quantizer.columnwise] if isinstance(quantizer, HybridQuantizer) else [quantizer]
-            for child in children:
-                if isinstance(child, Float8Quantizer) and child.scaling == "delayed":
-                    where = f"{linear.name or '<root>'} {role}"
-                    if id(child) in seen:
-                        raise ValueError(
-                            f"The factory returned one delayed-scaling quantizer for {seen[id(child)]} and {where}; "
-                            "its amax history would mix them. Return a new quantizer on every call."
-                        )
-                    seen[id(child)] = where
+            for buffer in (quantizer.state_buffers().values() if quantizer is not None else ()):
+                where = f"{linear.name or '<root>'} {role}"
+                if id(buffer) in seen and seen[id(buffer)] != where:
+                    raise ValueError(
+                        f"The factory returned one delayed-scaling quantizer for {seen[id(buffer)]} and {where}; "
+                        "its amax history would mix them. Return a new quantizer on every call."
+                    )
+                seen[id(buffer)] = where
 
 
 def _unsupported_reason(site: LinearSite, quantizers: dict) -> str | None:
@@ -269,6 +275,8 @@ def _install(site: LinearSite, linear: LinearQuantizers, weights: str) -> None:
     layers[site.attribute] = (linear, weights)
     if "_qtensor_hooks" not in module.__dict__:
         module._qtensor_hooks = [
+            # Tensor parallelism would run the layer unquantized: refused at the first forward.
+            module.register_forward_pre_hook(refuse_tensor_parallel),
             # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
             module.register_load_state_dict_post_hook(_reinstall_after_load),
             # A dynamic weight's entry is its plain values; running state (amax histories) is added.
@@ -316,9 +324,19 @@ def plain_weight(value: torch.Tensor) -> torch.Tensor:
 def _save_layer_state(module, state_dict, prefix, local_metadata) -> None:
     for attribute in module._qtensor_layers:
         if prefix + attribute in state_dict:
-            state_dict[prefix + attribute] = plain_weight(state_dict[prefix + attribute])
+            state_dict[prefix + attribute] = _load_target(plain_weight(state_dict[prefix + attribute]))
     for suffix, buffer in running_state(module).items():
         state_dict[prefix + suffix] = buffer.detach()
+
+
+def _load_target(entry: torch.Tensor) -> torch.Tensor:
+    """A quantized weight's state_dict entry: an alias of its data marked as a load target, which
+    in-place loaders (torch.distributed.checkpoint) fill row range by row range from one checkpoint
+    (tensor.py, `fills_from_checkpoint`; docs/checkpoints.md)."""
+    local = getattr(entry, "_local_tensor", entry)
+    if isinstance(local, QuantizedTensor) and not isinstance(entry, nn.Parameter):  # keep_vars: the parameter itself
+        local.fills_from_checkpoint = True
+    return entry
 
 
 def _load_running_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
@@ -351,7 +369,7 @@ def _reinstall_after_load(module: nn.Module, incompatible_keys) -> None:
     for attribute, (linear, weights) in module._qtensor_layers.items():
         weight = getattr(module, attribute)
         if isinstance(weight, QuantizedTensor) and not carries_quantizers(weight):
-            weight.linear_quantizers = linear
+            setattr(module, attribute, nn.Parameter(quantized_weight(weight.detach(), linear), requires_grad=weight.requires_grad))
         elif not carries_quantizers(weight):
             _install_weight(module, attribute, linear, weights)
 
@@ -365,8 +383,7 @@ def _install_weight(module: nn.Module, attribute: str, linear: LinearQuantizers,
         # Both directions: fprop reads the rowwise copy, dgrad the columnwise one; a Conv1D's
         # [in, out] weight is quantized as the [out, in] matrix the GEMMs read.
         matrix = weight.detach().t().contiguous() if linear.transposed else weight.detach()
-        quantized = linear.weight.quantize(matrix, rowwise=True, columnwise=True)
-        quantized.linear_quantizers = linear
+        quantized = quantized_weight(linear.weight.quantize(matrix, rowwise=True, columnwise=True), linear)
         setattr(module, attribute, nn.Parameter(quantized, requires_grad=requires_grad))
     else:
         setattr(module, attribute, nn.Parameter(DynamicWeight(weight.detach(), linear), requires_grad=requires_grad))

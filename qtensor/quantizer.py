@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .storage import Storage
+from .storage import Storage, holds_storages
 
 QUANTIZER_CLASSES: dict[str, type["Quantizer"]] = {}
 
@@ -112,7 +112,7 @@ class Quantizer:
     def using_state(self, buffers: dict[str, torch.Tensor]):
         """Inside, the running state is `buffers` (the names of `state_buffers()`): casts read them
         and write into them. torch.compile traces a layer with the traced copies of its state
-        (linear.py), so that the history is a graph input the compiled step updates in place."""
+        (layer_state.py), so that the history is a graph input the compiled step updates in place."""
         mine = self.state_buffers()
         if set(buffers) != set(mine):
             raise ValueError(f"{type(self).__name__}: running state {sorted(buffers)} given, expected {sorted(mine)}.")
@@ -176,9 +176,7 @@ class Quantizer:
         name = type(self).__name__
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}.quantize expects a torch.Tensor, got {type(x).__name__}.")
-        from .tensor import QuantizedTensor
-
-        if isinstance(x, QuantizedTensor):
+        if holds_storages(x):  # a quantized tensor: its values
             x = x.dequantize()
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(

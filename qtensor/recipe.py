@@ -1,4 +1,4 @@
-"""Roles and recipes: which quantizer each tensor of each layer gets (API.md "Roles and recipes")."""
+"""Roles and recipes: which quantizer each tensor of each layer gets (docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
-from .formats.float8 import Float8Quantizer
-from .formats.hybrid import HybridQuantizer
-from .linear import BACKWARD_OVERRIDES
+from .layer import BACKWARD_OVERRIDES
 from .quantizer import Quantizer
 
 TENSOR_TYPES = ("input", "weight", "grad_output")
@@ -59,7 +57,8 @@ class Recipe:
                 )
             chosen[tensor_type] = quantizer
         if self.backward_override is not None:
-            delayed = [t for t, q in chosen.items() if q is not None and _uses_delayed_scaling(q)]
+            # Running state is a delayed-scaling history (a hybrid's child's included).
+            delayed = [t for t, q in chosen.items() if q is not None and q.state_buffers()]
             if delayed:
                 raise ValueError(
                     f"Layer {name!r}: backward_override={self.backward_override!r} cannot be honoured with "
@@ -80,9 +79,3 @@ def _takes_one_argument(factory) -> bool:
     except ValueError:  # no signature to read (some builtins): let the call decide
         return True
     return True
-
-
-def _uses_delayed_scaling(quantizer: Quantizer) -> bool:
-    if isinstance(quantizer, HybridQuantizer):
-        return _uses_delayed_scaling(quantizer.rowwise) or _uses_delayed_scaling(quantizer.columnwise)
-    return isinstance(quantizer, Float8Quantizer) and quantizer.scaling == "delayed"

@@ -23,6 +23,11 @@ DIRECTIONS = ("rowwise", "columnwise")
 STORAGE_CLASSES: dict[str, type["Storage"]] = {}
 
 
+def holds_storages(tensor) -> bool:
+    """True for a quantized tensor: one whose values live in direction storages."""
+    return isinstance(getattr(tensor, "rowwise", None), Storage) or isinstance(getattr(tensor, "columnwise", None), Storage)
+
+
 @dataclass(frozen=True)
 class Buffer:
     """One buffer of a storage as its layout declares it.
@@ -68,13 +73,14 @@ def _buffer_names(cls, direction: str, options: tuple) -> tuple[str, ...]:
     return names
 
 
+# A cache (names by storage class, direction and options): a race between threads fills one entry twice, equally.
 _BUFFER_NAMES: dict[tuple, tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True)
 class TensorScale:
-    """The fp32 factor that multiplies a GEMM's fp32 result for one bf16 operand
-    (`Storage.bf16_operand`): `tensor` itself (a 0-d fp32 scale_inv), or, given `amax_max`, the
+    """The fp32 factor that multiplies a GEMM's fp32 result for one operand (`Storage.bf16_operand`,
+    `Storage.block_scaled_operand`): `tensor` itself (a 0-d fp32 scale_inv), or, given `amax_max`, the
     inverse of the encode scale `scale_from_amax(tensor, amax_max)` of the global amax `tensor`
     (NVFP4's 1/S_enc), left for the GEMM's epilogue kernel to compute where it applies it."""
 
@@ -86,6 +92,31 @@ class TensorScale:
         if self.amax_max is None:
             return self.tensor
         return fp32(1.0, self.tensor.device) / scale_from_amax(self.tensor, self.amax_max)
+
+
+@dataclass(frozen=True)
+class FP8TensorwiseOperand:
+    """A storage as an operand of an FP8 GEMM with one scale per tensor (`torch._scaled_mm`):
+    `data` FP8 codes [R, K] with the reduction dimension contiguous, `scale_inv` the 0-d fp32
+    factor their products take."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BlockScaledOperand:
+    """A storage as an operand of a GEMM that reads block scales in the tensor cores: `data` [R, K]
+    (or [R, K/2] in a two-element dtype) with the reduction dimension contiguous, `scales` [R,
+    ceil(K/block_size)] one per `block_size` elements along it, in their own dtype and row-major
+    (the GEMM backend puts them in its tiled layout), `length` K, and the TensorScale that
+    multiplies the GEMM's fp32 result, or None."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    block_size: int
+    length: int
+    tensor_scale: TensorScale | None = None
 
 
 class Storage:
@@ -140,11 +171,36 @@ class Storage:
         the GEMM's fp32 result, or None); None for a format without such a form."""
         return None
 
+    def fp8_tensorwise_operand(self) -> "FP8TensorwiseOperand | None":
+        """This storage as an operand of an FP8 GEMM with one scale per tensor, or None for a format
+        without such a form. Asked for even where the device has no FP8 GEMM (gemm.py: an exclusive
+        backend), so it must be cheap: the stored buffers, never a copy."""
+        return None
+
+    def block_scaled_operand(self) -> "BlockScaledOperand | None":
+        """This storage as an operand of a block-scaled GEMM (Blackwell's tensor cores), or None for
+        a format, or a copy, without such a form."""
+        return None
+
+    def reduction_transform(self) -> str | None:
+        """The name of the transform this storage's values carry along its GEMMs' reduction
+        dimension, or None for the tensor's own values. Every GEMM operand form holds the stored
+        values, so a fast GEMM multiplies two storages only under the same transform (an orthogonal
+        one cancels in the product)."""
+        return None
+
     def to_direction(self, direction: str) -> "Storage | None":
         """This storage re-laid out for the other direction, or None when the format cannot."""
         return self if direction == self.direction else None
 
     # ---- derived from the layout --------------------------------------------------------------
+    @classmethod
+    def empty_buffers(cls, names, direction: str, rows: int, cols: int, device, **options) -> tuple[torch.Tensor, ...]:
+        """Uninitialised buffers `names` (in that order) of the layout of a `[rows, cols]` view, on
+        `device`: what a kernel writes, and, under a fake tensor mode, what its compiled fake returns."""
+        specs = {spec.name: spec for spec in cls.layout(direction, rows, cols, **options)}
+        return tuple(torch.empty(specs[name].shape, dtype=specs[name].dtype, device=device) for name in names)
+
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(cls.option_values)
@@ -199,13 +255,13 @@ class Storage:
         return self.row_slice and self.rows % self.row_block() != 0
 
     def row_block(self) -> int:
-        """Row ranges must start and end on multiples of this (DESIGN.md §3: block boundaries)."""
+        """Row ranges must start and end on multiples of this (docs/design.md, Dispatch)."""
         return max([max(b.rows_per_entry, b.rows_padded_to) for b in self.buffer_specs() if not b.tensor_wide] or [1])
 
     def slice_rows(self, start: int, stop: int) -> "Storage":
         """The storage of rows `[start, stop)` of the 2-D view, sharing memory with this one.
 
-        It must start on a block boundary (DESIGN.md §3). It may end inside a block: that last
+        It must start on a block boundary (docs/design.md, Dispatch). It may end inside a block: that last
         block is then partial, its scale shared with the rows after `stop`, and every value it
         holds exact (ops.copy_ refuses to requantize such a slice, which would change those rows).
         A split still needs every edge on a boundary, since the next piece starts there.
@@ -244,7 +300,7 @@ class Storage:
 
     def zero_padded(self, rows: int) -> "Storage":
         """This storage extended to `rows` rows with zero codes (zero in every format; a partial
-        last block behaves as zero-padded, DESIGN.md §2), tensor-wide buffers unchanged."""
+        last block behaves as zero-padded, docs/numerics.md), tensor-wide buffers unchanged."""
         if rows == self.rows:
             return self
         padded = {}

@@ -1,6 +1,9 @@
 """QuantizedTensor: the torch.Tensor wrapper over one or two direction storages.
 
-Dispatch (DESIGN.md §3): every class has an op table filled by `@Cls.implements(...)`. An op found
+A quantized tensor is data: storages, dispatch, flattening and serialisation. What a layer's weight
+does (routing F.linear, FSDP2 hooks, running state) is added above it, in weight.py.
+
+Dispatch (docs/design.md, Dispatch): every class has an op table filled by `@Cls.implements(...)`. An op found
 in the table (searched along the class's MRO) runs its handler; any other op sees the dequantized
 value and returns plain tensors, and an op that writes into a quantized tensor requantizes the
 result into it.
@@ -13,22 +16,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import json
 import math
 import os
-from dataclasses import dataclass
+import threading
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import layer_state
 from .numerics import FP8_DTYPES
-from .quantizer import DTYPES_BY_NAME, Quantizer, decode_value, encode_value, quantizer_from_dict, quantizer_to_dict
-from .storage import DIRECTIONS, STORAGE_CLASSES, Storage
+from .plan import TENSOR_CLASSES, TensorPlan
+from .quantizer import DTYPES_BY_NAME, Quantizer, quantizer_from_dict
+from .storage import DIRECTIONS, Storage
 
-TENSOR_CLASSES: dict[str, type["QuantizedTensor"]] = {}
-
-LOGICAL_DTYPES = {name: DTYPES_BY_NAME[name] for name in ("float32", "bfloat16", "float16")} | {"float64": torch.float64}
 
 _NO_SINGLE_STORAGE = (
     "{cls} keeps its values in several low-precision buffers (data, scales) and has no single "
@@ -46,8 +47,13 @@ class QuantizedTensor(torch.Tensor):
     """
 
     _ops: dict = {}
-    # Set on a layer's weight by qtensor.quantize_ (a linear.LinearQuantizers); kept by derived tensors.
-    linear_quantizers = None
+    # The class whose name files and pickles carry: the format's tensor class itself; a class that
+    # adds behaviour to a format's tensor (a layer's weight) names the format's class here.
+    data_class: type
+    # True for a tensor handed out as a load target (a module's state_dict entry): an in-place
+    # loader fills every row of it from one checkpoint, so a byte copy into a row slice of it takes
+    # the source's tensor-wide scale (ops.py, copy_). Kept by the tensors derived from it.
+    fills_from_checkpoint: bool = False
     rowwise: Storage | None
     columnwise: Storage | None
     quantizer: Quantizer
@@ -55,6 +61,9 @@ class QuantizedTensor(torch.Tensor):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._ops = {}
+        if "data_class" in cls.__dict__:  # behaviour over a format's class: stored as that class
+            return
+        cls.data_class = cls
         if cls.__module__.startswith("qtensor."):  # files name only qtensor's own classes
             TENSOR_CLASSES[cls.__name__] = cls
 
@@ -76,16 +85,15 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # A weight that carries its layer's quantizers routes F.linear & co. to the quantized linear.
-        from .linear import torch_function
-
+        kwargs = kwargs or {}
         if func is torch.Tensor.__setitem__ and isinstance(args[0], QuantizedTensor):
             return args[0].assign(args[1], args[2])
         if func is torch.Tensor.storage:
             # safetensors (and with it save_pretrained) asks for this after untyped_storage() of a
             # wrapper failed; torch itself no longer does. Say what to use instead.
             raise TypeError(_NO_SINGLE_STORAGE.format(cls=type(args[0]).__name__))
-        return torch_function(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     def assign(self, index, value) -> None:
         """`self[index] = value`: dequantize, assign, requantize the whole tensor in place (an index
@@ -151,7 +159,8 @@ class QuantizedTensor(torch.Tensor):
         return rebuilt
 
     def with_storages(self, rowwise, columnwise, shape=None, dtype=None, requires_grad=False):
-        """A new tensor of this class, quantizer and layer quantizers over the given storages."""
+        """A new tensor of this class and quantizer over the given storages (a subclass that adds
+        behaviour carries its own attributes over)."""
         result = type(self)(
             self.shape if shape is None else shape,
             self.dtype if dtype is None else dtype,
@@ -160,7 +169,8 @@ class QuantizedTensor(torch.Tensor):
             self.quantizer,
             requires_grad=requires_grad,
         )
-        result.linear_quantizers = self.linear_quantizers
+        if self.fills_from_checkpoint:
+            result.fills_from_checkpoint = True
         return result
 
     def map_storages(self, fn, **kwargs) -> "QuantizedTensor":
@@ -213,7 +223,7 @@ class QuantizedTensor(torch.Tensor):
         Buffers are named `<direction>.<name>`; a tensor-wide buffer both directions share is named
         `<name>` alone; the quantizer's running state (delayed scaling) is `quantizer.<name>`.
         """
-        plan = _TensorPlan.of(self)
+        plan = TensorPlan.of(self)
         buffers = {}
         for direction in DIRECTIONS:
             storage = getattr(self, direction)
@@ -243,7 +253,7 @@ class QuantizedTensor(torch.Tensor):
         tensor: the metadata well formed, naming only qtensor's own classes, and every buffer's
         name, dtype and shape what the formats' declared layouts say (meta tensors suffice: no data
         is read). Returns the plan and the quantizer (a new one built from the metadata, unless given)."""
-        plan = _TensorPlan.parse(metadata, where)
+        plan = TensorPlan.parse(metadata, where)
         state = {name.removeprefix("quantizer."): b for name, b in buffers.items() if name.startswith("quantizer.")}
         if quantizer is None:
             quantizer = quantizer_from_dict(metadata["quantizer"], f"{where}quantizer")
@@ -256,24 +266,17 @@ class QuantizedTensor(torch.Tensor):
     # torch's traceable-subclass protocol (torch.compile, and nn.Module._apply, which then swaps the
     # parameter instead of assigning .data). The context compares by value and holds no shape (it
     # comes back as outer_size), no tensors and no per-step state, so compiled code can guard on it.
-    # A layer's weight also lists its layer's running state (layer_state.py).
     def __tensor_flatten__(self):
         buffers, _ = self.to_buffers(quantizer_state=False)
-        names = [name.replace(".", "__") for name in buffers] + layer_state.inner_names(self, next(iter(buffers.values())))
-        return names, (_TensorPlan.of(self).key(), self.quantizer, self.linear_quantizers)
+        return [name.replace(".", "__") for name in buffers], (TensorPlan.of(self).key(), self.quantizer)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
-        key, quantizer, linear_quantizers = context
-        buffers = {name.replace("__", "."): t for name, t in inner_tensors.items() if not layer_state.is_state_name(name)}
-        result = _TensorPlan.from_key(key, outer_size).assemble(buffers, quantizer)
-        result.linear_quantizers = linear_quantizers
-        layer_state.bind(result, inner_tensors)
-        return result
+        key, quantizer = context[:2]
+        buffers = {name.replace("__", "."): t for name, t in inner_tensors.items()}
+        return TensorPlan.from_key(key, outer_size).assemble(buffers, quantizer)
 
     def __getattr__(self, name):
-        if layer_state.is_state_name(name):
-            return layer_state.inner_tensor(self, name)
         # The inner tensors __tensor_flatten__ names: "rowwise__data" is self.rowwise.data, a shared
         # tensor-wide "scale_inv" is self.rowwise.scale_inv.
         direction, separator, field = name.partition("__")
@@ -286,8 +289,8 @@ class QuantizedTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         if self.__dict__.get("_is_param"):
-            # A parameter of a pickled module: keep it a parameter with its layer's quantizers.
-            return _rebuild_parameter, (self.detach(), self.requires_grad, self.linear_quantizers)
+            # A parameter of a pickled module: keep it a parameter.
+            return _rebuild_parameter, (self.detach(), self.requires_grad)
         buffers, metadata = self.to_buffers()
         # Only this tensor's own bytes (a split piece views its parent's), and FP8 buffers as their
         # bytes: plain pickle cannot carry float8 dtypes; the rebuild views them back.
@@ -296,21 +299,15 @@ class QuantizedTensor(torch.Tensor):
         payload = {name: b.view(torch.uint8) if name in fp8 else b for name, b in payload.items()}
         return _rebuild_quantized_tensor, (json.dumps(metadata), payload, fp8)
 
-    # ---- FSDP2 (fsdp.py): low-precision all-gather of the direction each GEMM reads ------------
+    # ---- FSDP2 ----------------------------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        from . import fsdp
-
-        caller = fsdp.calling_fsdp_param()
-        fsdp.agree_on_scales(self, mesh.get_group())
-        needed = fsdp.directions_needed(self.linear_quantizers, caller)
-        inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, caller.name)
-        return inputs, (plan, outer_size, self)
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        from . import fsdp
-
-        plan, outer_size, local = metadata
-        return fsdp.post_all_gather(local, all_gather_outputs, plan, outer_size, param_dtype, out=out)
+        # A layer's quantized weight gathers its low-precision bytes (weight.py); a quantized tensor
+        # that is no layer's weight has no GEMM to say which direction to gather.
+        raise ValueError(
+            f"FSDP2 cannot shard this {type(self).__name__} parameter: it is not the weight of a layer "
+            "qtensor.quantize_ set up, so nothing says which direction its GEMMs read. Quantize the model "
+            "with qtensor.quantize_(model, recipe, weights='quantized') instead of assigning quantized tensors."
+        )
 
     # ---- dispatch -----------------------------------------------------------------------------
     @classmethod
@@ -334,163 +331,6 @@ class QuantizedTensor(torch.Tensor):
         return dequantized_fallback(func, args, kwargs)
 
 
-@dataclass(frozen=True)
-class _StoragePlan:
-    """What one direction's storage is, without its buffers or size."""
-
-    cls: type
-    direction: str
-    options: tuple  # ((name, value), ...)
-    row_slice: bool = False
-
-    def build(self, buffers: dict[str, torch.Tensor], prefix: str, shared: tuple, rows: int, cols: int) -> Storage:
-        names = [spec.name for spec in self.cls.layout(self.direction, rows, cols, **dict(self.options))]
-        fields = {name: buffers[name if name in shared else prefix + name] for name in names}
-        return self.cls(direction=self.direction, rows=rows, cols=cols, row_slice=self.row_slice, **dict(self.options), **fields)
-
-
-@dataclass(frozen=True)
-class _TensorPlan:
-    """A quantized tensor without its buffers: class, logical shape and dtype, what each direction
-    holds and which tensor-wide buffers they share. `key()` (no shape) is the flatten context."""
-
-    cls: type
-    shape: tuple
-    dtype: torch.dtype
-    rowwise: _StoragePlan | None
-    columnwise: _StoragePlan | str | None  # "rowwise": the same storage serves both directions
-    shared: tuple[str, ...]
-
-    @staticmethod
-    def of(tensor: QuantizedTensor) -> "_TensorPlan":
-        def plan(storage):
-            return None if storage is None else _StoragePlan(type(storage), storage.direction, tuple(storage.options.items()), storage.row_slice)
-
-        same = tensor.columnwise is not None and tensor.columnwise is tensor.rowwise
-        return _TensorPlan(
-            type(tensor),
-            tuple(tensor.shape),
-            tensor.dtype,
-            plan(tensor.rowwise),
-            "rowwise" if same else plan(tensor.columnwise),
-            tensor.shared_buffer_names(),
-        )
-
-    def key(self) -> tuple:
-        return (self.cls, self.dtype, self.rowwise, self.columnwise, self.shared)
-
-    @staticmethod
-    def from_key(key: tuple, outer_size) -> "_TensorPlan":
-        cls, dtype, rowwise, columnwise, shared = key
-        return _TensorPlan(cls, tuple(outer_size), dtype, rowwise, columnwise, shared)
-
-    def assemble(self, buffers: dict[str, torch.Tensor], quantizer: Quantizer) -> QuantizedTensor:
-        rows, cols = math.prod(self.shape[:-1]), self.shape[-1]
-        rowwise = self.rowwise.build(buffers, "rowwise.", self.shared, rows, cols) if self.rowwise else None
-        if self.columnwise == "rowwise":
-            columnwise = rowwise
-        elif self.columnwise is not None:
-            # A shared tensor-wide buffer is looked up by its bare name: both get the one tensor.
-            columnwise = self.columnwise.build(buffers, "columnwise.", self.shared, rows, cols)
-        else:
-            columnwise = None
-        return self.cls(torch.Size(self.shape), self.dtype, rowwise, columnwise, quantizer)
-
-    # ---- JSON form, and its validation ---------------------------------------------------------
-    def metadata(self, quantizer: Quantizer) -> dict:
-        def describe(plan):
-            if plan is None or isinstance(plan, str):
-                return plan
-            options = {name: encode_value(value) for name, value in plan.options}
-            return {"format": plan.cls.format_name, "direction": plan.direction, **options}
-
-        return {
-            "tensor": self.cls.__name__,
-            "shape": list(self.shape),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "quantizer": quantizer_to_dict(quantizer),
-            "rowwise": describe(self.rowwise),
-            "columnwise": describe(self.columnwise),
-            "shared": list(self.shared),
-        }
-
-    @staticmethod
-    def parse(metadata, where: str) -> "_TensorPlan":
-        """The plan a tensor's JSON metadata describes; ValueError for anything malformed."""
-        keys = {"tensor", "shape", "dtype", "quantizer", "rowwise", "columnwise", "shared"}
-        if not isinstance(metadata, dict) or set(metadata) != keys:
-            found = sorted(metadata) if isinstance(metadata, dict) else type(metadata).__name__
-            raise ValueError(f"{where}metadata: expected the keys {sorted(keys)}, got {found}.")
-        cls = _lookup(TENSOR_CLASSES, metadata["tensor"], f"{where}tensor", "tensor class")
-        shape = metadata["shape"]
-        if not isinstance(shape, list) or not shape or not all(type(n) is int and n >= 0 for n in shape):
-            raise ValueError(f"{where}shape: expected a list of one or more sizes >= 0, got {shape!r}.")
-        dtype = _lookup(LOGICAL_DTYPES, metadata["dtype"], f"{where}dtype", "logical dtype")
-
-        def storage_plan(direction):
-            entry = metadata[direction]
-            if entry is None or (direction == "columnwise" and entry == "rowwise"):
-                return entry
-            if not isinstance(entry, dict) or not isinstance(entry.get("format"), str):
-                raise ValueError(f"{where}{direction}: expected null, a storage description or (columnwise) \"rowwise\", got {entry!r}.")
-            storage_cls = _lookup(STORAGE_CLASSES, entry["format"], f"{where}{direction}.format", "storage format")
-            options = {k: decode_value(v, f"{where}{direction}.{k}") for k, v in entry.items() if k not in ("format", "direction")}
-            storage_cls.check_options(entry.get("direction"), options, f"{where}{direction}")
-            return _StoragePlan(storage_cls, entry["direction"], tuple((n, options[n]) for n in storage_cls.option_names()))
-
-        rowwise, columnwise = storage_plan("rowwise"), storage_plan("columnwise")
-        if rowwise is None and columnwise is None:
-            raise ValueError(f"{where.rstrip('. ') or 'tensor'}: a quantized tensor holds at least one direction; both are null.")
-        if columnwise == "rowwise" and (rowwise is None or rowwise.direction != "both"):
-            raise ValueError(f'{where}columnwise: "rowwise" (one storage for both) needs a rowwise storage of direction "both".')
-        for direction, plan in (("rowwise", rowwise), ("columnwise", columnwise)):
-            if isinstance(plan, _StoragePlan) and plan.direction not in (direction, "both"):
-                raise ValueError(f"{where}{direction}.direction: {plan.direction!r} is not {direction!r}.")
-        shared = metadata["shared"]
-        if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
-            raise ValueError(f"{where}shared: expected a list of buffer names, got {shared!r}.")
-        if shared:
-            if not (isinstance(rowwise, _StoragePlan) and isinstance(columnwise, _StoragePlan) and rowwise.cls is columnwise.cls):
-                raise ValueError(f"{where}shared: only two storages of one format can share buffers, got {shared!r}.")
-            rows, cols = math.prod(shape[:-1]), shape[-1]
-            tensor_wide = {s.name for s in rowwise.cls.layout("rowwise", rows, cols, **dict(rowwise.options)) if s.tensor_wide}
-            if not set(shared) <= tensor_wide:
-                raise ValueError(f"{where}shared: {sorted(set(shared) - tensor_wide)} are not tensor-wide buffers of {rowwise.cls.format_name}.")
-        return _TensorPlan(cls, tuple(shape), dtype, rowwise, columnwise, tuple(shared))
-
-    def check(self, quantizer: Quantizer, buffers: dict[str, torch.Tensor], where: str) -> None:
-        """The storages must be what `quantizer` makes and the buffers exactly what their layouts declare."""
-        if quantizer.tensor_class is not self.cls:
-            raise ValueError(f"{where}tensor: a {self.cls.__name__} cannot come from {quantizer!r}.")
-        for direction in DIRECTIONS:
-            plan = getattr(self, direction)
-            if isinstance(plan, _StoragePlan):
-                maker = quantizer.quantizer_for(direction)
-                if plan.cls.format_name != maker.format_name:
-                    raise ValueError(f"{where}{direction}.format: {plan.cls.format_name!r} storage, but {maker!r} makes {maker.format_name!r}.")
-        rows, cols = math.prod(self.shape[:-1]), self.shape[-1]
-        expected = {}
-        for direction in DIRECTIONS:
-            plan = getattr(self, direction)
-            if isinstance(plan, _StoragePlan):
-                for spec in plan.cls.layout(plan.direction, rows, cols, **dict(plan.options)):
-                    expected[spec.name if spec.name in self.shared else f"{direction}.{spec.name}"] = (spec, plan)
-        if set(buffers) != set(expected):
-            missing, extra = sorted(set(expected) - set(buffers)), sorted(set(buffers) - set(expected))
-            raise ValueError(f"{where.rstrip('. ') or 'tensor'}: buffers {sorted(expected)} expected; missing {missing}, unexpected {extra}.")
-        devices = {buffer.device for buffer in buffers.values()}
-        if len(devices) > 1:
-            raise ValueError(f"{where.rstrip('. ') or 'tensor'}: buffers lie on several devices {sorted(map(str, devices))}; move them to one.")
-        for name, (spec, plan) in expected.items():
-            buffer = buffers[name]
-            if buffer.dtype != spec.dtype or tuple(buffer.shape) != spec.shape:
-                raise ValueError(
-                    f"{where}{name}: expected {str(spec.dtype).removeprefix('torch.')} of shape "
-                    f"{list(spec.shape)} (a {plan.cls.format_name} {plan.direction} storage of a "
-                    f"[{rows}, {cols}] view), got {str(buffer.dtype).removeprefix('torch.')} of shape {list(buffer.shape)}."
-                )
-
-
 def own_bytes(buffer: torch.Tensor) -> torch.Tensor:
     """`buffer` itself when it is contiguous and alone in its storage, else a compact copy."""
     if buffer.is_contiguous() and buffer.untyped_storage().nbytes() == buffer.numel() * buffer.element_size():
@@ -498,68 +338,65 @@ def own_bytes(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.contiguous().clone()
 
 
-def _lookup(table: dict, name, where: str, what: str):
-    if not isinstance(name, str) or name not in table:
-        raise ValueError(f"{where}: unknown qtensor {what} {name!r}; expected one of {sorted(table)}.")
-    return table[name]
-
-
 def _rebuild_quantized_tensor(metadata_json: str, buffers: dict, fp8_dtypes: dict) -> QuantizedTensor:
     buffers = {name: b.view(DTYPES_BY_NAME[fp8_dtypes[name]]) if name in fp8_dtypes else b for name, b in buffers.items()}
     return QuantizedTensor.from_buffers(buffers, json.loads(metadata_json))
 
 
-def _rebuild_parameter(tensor: torch.Tensor, requires_grad: bool, linear_quantizers) -> torch.nn.Parameter:
-    parameter = torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    parameter.linear_quantizers = linear_quantizers
-    return parameter
+def _rebuild_parameter(tensor: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor, requires_grad=requires_grad)
 
 
 torch.serialization.add_safe_globals([_rebuild_quantized_tensor])
 
 
-# What happens when an op has no quantized implementation (DESIGN.md §3): "allow" runs it on the
-# dequantized values, "count" does too and counts it, "raise" refuses. QTENSOR_FALLBACKS sets it.
+# What happens when an op has no quantized implementation (docs/design.md, Dispatch): "allow" runs
+# it on the dequantized values, "count" does too and counts it, "raise" refuses. A switch per thread
+# and task (a context variable); QTENSOR_FALLBACKS sets its default for the process.
 _FALLBACK_MODES = ("allow", "count", "raise")
-_fallback_mode = os.environ.get("QTENSOR_FALLBACKS", "allow")
-if _fallback_mode not in _FALLBACK_MODES:
-    raise ValueError(f"QTENSOR_FALLBACKS must be one of {_FALLBACK_MODES}, got {_fallback_mode!r}.")
+_fallback_mode = contextvars.ContextVar("qtensor_fallbacks", default=os.environ.get("QTENSOR_FALLBACKS", "allow"))
+if _fallback_mode.get() not in _FALLBACK_MODES:
+    raise ValueError(f"QTENSOR_FALLBACKS must be one of {_FALLBACK_MODES}, got {_fallback_mode.get()!r}.")
+# A diagnostic counter for the whole process, written under a lock.
 _fallback_counts: collections.Counter = collections.Counter()
+_fallback_counts_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def fallbacks(mode: str = "raise"):
     """Inside, an op on a quantized tensor that has no quantized implementation, and so would run on
     its dequantized values, raises (`"raise"`) or is counted (`"count"`, see `fallback_report`)."""
-    global _fallback_mode
     if mode not in _FALLBACK_MODES:
         raise ValueError(f"qtensor.fallbacks: mode must be one of {_FALLBACK_MODES}, got {mode!r}.")
-    previous, _fallback_mode = _fallback_mode, mode
+    token = _fallback_mode.set(mode)
     try:
         yield
     finally:
-        _fallback_mode = previous
+        _fallback_mode.reset(token)
 
 
 def fallback_report(reset: bool = False) -> dict[tuple[str, str], int]:
-    """{(op, tensor classes): count} of the fallbacks counted under `fallbacks("count")`."""
-    report = dict(_fallback_counts)
-    if reset:
-        _fallback_counts.clear()
+    """{(op, tensor classes): count} of the fallbacks counted under `fallbacks("count")`, in this process."""
+    with _fallback_counts_lock:
+        report = dict(_fallback_counts)
+        if reset:
+            _fallback_counts.clear()
     return report
 
 
 def dequantized_fallback(func, args, kwargs):
     """Run `func` on dequantized values; requantize into any quantized tensor the op writes to."""
-    if _fallback_mode != "allow":
+    mode = _fallback_mode.get()
+    if mode != "allow":
         classes = "/".join(sorted({type(a).__name__ for a in tree_flatten((args, kwargs))[0] if isinstance(a, QuantizedTensor)}))
-        if _fallback_mode == "raise":
+        if mode == "raise":
             raise RuntimeError(
                 f"{func} has no quantized implementation for {classes}: it would run on the dequantized "
                 "values (qtensor.fallbacks('raise') is on). If that is what you want, run it outside the "
                 "context, or on q.dequantize() explicitly."
             )
-        _fallback_counts[(str(func), classes)] += 1
+        with _fallback_counts_lock:
+            _fallback_counts[(str(func), classes)] += 1
 
     def unwrap(value):
         return value.dequantize() if isinstance(value, QuantizedTensor) else value

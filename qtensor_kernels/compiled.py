@@ -9,16 +9,25 @@ None, so an absent direction travels as an empty tensor and comes back as None.
 Covered: the casts and dequantizes of every format (Float8 with current and delayed scaling, MXFP8,
 NVFP4, the hybrid), the amaxes, delayed scaling's scale and history update (an op that writes the
 history in place, which the compiler functionalizes), and the GEMM epilogue.
+
+A fake never repeats a kernel's arithmetic: a cast's outputs are shaped as the format's storage
+layout declares them (the kernels allocate from the same declaration), and no output's shape
+depends on a kernel's tile.
 """
 
 from typing import Optional
 
 import torch
-import triton
+
+from qtensor.formats.float8 import Float8Storage
+from qtensor.formats.mxfp8 import MXFP8Storage
+from qtensor.formats.nvfp4 import NVFP4Storage
 
 from . import float8, gemm, hybrid, mxfp8, nvfp4
 
 _NONE = (0,)
+# The buffers of a direction that a cast kernel writes (NVFP4's global amax comes from elsewhere).
+_CAST_BUFFERS = ("data", "scale_inv")
 
 
 def _none(device, dtype=torch.uint8):
@@ -35,8 +44,20 @@ def _pairs(outputs):
     return (None if _or_none(row[0]) is None else tuple(row)), (None if _or_none(col[0]) is None else tuple(col))
 
 
-def _flat(pair, device, dtypes):
-    return tuple(pair) if pair is not None else tuple(_none(device, d) for d in dtypes)
+def _flat(pair, storage_class, direction, device, **options):
+    """A direction's (data, scale_inv) as outputs of a custom op: the pair, or for an absent
+    direction (0,)-shaped stand-ins of the dtypes the storage's layout declares."""
+    if pair is not None:
+        return tuple(pair)
+    specs = {spec.name: spec for spec in storage_class.layout(direction, 0, 0, **options)}
+    return tuple(_none(device, specs[name].dtype) for name in _CAST_BUFFERS)
+
+
+def _fake_direction(storage_class, direction, present, x, **options):
+    """The fake outputs of one direction of a cast of the 2-D `x` (see _flat)."""
+    m, n = x.shape
+    pair = storage_class.empty_buffers(_CAST_BUFFERS, direction, m, n, x.device, **options) if present else None
+    return _flat(pair, storage_class, direction, x.device, **options)
 
 
 # ---- amaxes -------------------------------------------------------------------------------------
@@ -50,15 +71,16 @@ def _(x):
     return x.new_empty((), dtype=torch.float32)
 
 
+# Always MAX_AMAX_PARTIALS partials (the programs past the end of `x` write 0): their count is
+# then no function of the kernel's tile.
 @torch.library.custom_op("qtensor::amax_partials", mutates_args=())
 def amax_partials_op(x: torch.Tensor) -> torch.Tensor:
-    return float8.amax_partials(x)
+    return float8.amax_partials(x, programs=float8.MAX_AMAX_PARTIALS)
 
 
 @amax_partials_op.register_fake
 def _(x):
-    programs = min(1024, triton.next_power_of_2(max(triton.cdiv(x.numel(), 2 * float8._AMAX_BLOCK), 1)))
-    return x.new_empty((programs,), dtype=torch.float32)
+    return x.new_empty((float8.MAX_AMAX_PARTIALS,), dtype=torch.float32)
 
 
 @torch.library.custom_op("qtensor::nvfp4_amaxes", mutates_args=())
@@ -81,15 +103,23 @@ def float8_cast_op(
     return (row if row is not None else _none(x.device, fp8_dtype)), (col if col is not None else _none(x.device, fp8_dtype)), scale_inv
 
 
+def _float8_fakes(x, fp8_dtype, rowwise, columnwise):
+    """Fake (rowwise data or stand-in, columnwise data or stand-in, scale_inv) of a Float8 cast."""
+    m, n = x.shape
+    buffer = lambda direction, name: Float8Storage.empty_buffers((name,), direction, m, n, x.device, fp8_dtype=fp8_dtype)[0]
+    row = buffer("rowwise", "data") if rowwise else _none(x.device, fp8_dtype)
+    col = buffer("columnwise", "data") if columnwise else _none(x.device, fp8_dtype)
+    return row, col, buffer("rowwise", "scale_inv")
+
+
 @float8_cast_op.register_fake
 def _(x, fp8_dtype, rowwise, columnwise, amax, amax_epsilon, force_pow_2_scales):
-    m, n = x.shape
-    row = x.new_empty((m, n) if rowwise else _NONE, dtype=fp8_dtype)
-    col = x.new_empty((n, m) if columnwise else _NONE, dtype=fp8_dtype)
-    return row, col, x.new_empty((), dtype=torch.float32)
+    return _float8_fakes(x, fp8_dtype, rowwise, columnwise)
 
 
 # ---- Float8 (delayed scaling): the scale from the history, the cast at it, the history update ----
+# With `amax_out`, the amax of what it cast (0-d): the kernel's partial amaxes, one per tile, reduced
+# here, so that no output's shape depends on the tile.
 @torch.library.custom_op("qtensor::float8_cast_at_scale", mutates_args=())
 def float8_cast_at_scale_op(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, scale: torch.Tensor, amax_out: bool
@@ -97,18 +127,13 @@ def float8_cast_at_scale_op(
     row, col, scale_inv, partials = float8.cast(x, fp8_dtype, rowwise, columnwise, scale=scale, amax_out=amax_out)
     none = lambda: _none(x.device, fp8_dtype)
     return (row if row is not None else none()), (col if col is not None else none()), scale_inv, (
-        partials if partials is not None else _none(x.device, torch.float32)
+        partials.amax() if partials is not None else _none(x.device, torch.float32)
     )
 
 
 @float8_cast_at_scale_op.register_fake
 def _(x, fp8_dtype, rowwise, columnwise, scale, amax_out):
-    m, n = x.shape
-    row = x.new_empty((m, n) if rowwise else _NONE, dtype=fp8_dtype)
-    col = x.new_empty((n, m) if columnwise else _NONE, dtype=fp8_dtype)
-    block_m, block_n, _ = float8._CAST_TILE[4 if m % 4 == 0 else 1]
-    parts = max(triton.cdiv(m, block_m), 1) * max(triton.cdiv(n, block_n), 1)
-    return row, col, x.new_empty((), dtype=torch.float32), x.new_empty((parts,) if amax_out else _NONE, dtype=torch.float32)
+    return *_float8_fakes(x, fp8_dtype, rowwise, columnwise), x.new_empty(() if amax_out else _NONE, dtype=torch.float32)
 
 
 @torch.library.custom_op("qtensor::float8_delayed_scale", mutates_args=())
@@ -163,15 +188,14 @@ def mxfp8_cast_op(
     x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str, rowwise: bool, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     row, col = mxfp8.cast(x, fp8_dtype, scale_rounding, rowwise, columnwise)
-    return _flat(row, x.device, (fp8_dtype, torch.uint8)) + _flat(col, x.device, (fp8_dtype, torch.uint8))
+    flat = lambda pair, direction: _flat(pair, MXFP8Storage, direction, x.device, fp8_dtype=fp8_dtype)
+    return flat(row, "rowwise") + flat(col, "columnwise")
 
 
 @mxfp8_cast_op.register_fake
 def _(x, fp8_dtype, scale_rounding, rowwise, columnwise):
-    m, n = x.shape
-    row = (x.new_empty((m, n), dtype=fp8_dtype), x.new_empty((m, triton.cdiv(n, 32)), dtype=torch.uint8)) if rowwise else None
-    col = (x.new_empty((m, n), dtype=fp8_dtype), x.new_empty((triton.cdiv(m, 32), n), dtype=torch.uint8)) if columnwise else None
-    return _flat(row, x.device, (fp8_dtype, torch.uint8)) + _flat(col, x.device, (fp8_dtype, torch.uint8))
+    fake = lambda direction, present: _fake_direction(MXFP8Storage, direction, present, x, fp8_dtype=fp8_dtype)
+    return fake("rowwise", rowwise) + fake("columnwise", columnwise)
 
 
 @torch.library.custom_op("qtensor::mxfp8_dequantize", mutates_args=())
@@ -185,30 +209,20 @@ def _(data, codes, along_rows, out_dtype):
 
 
 # ---- NVFP4 and the hybrid -----------------------------------------------------------------------
-_NV = (torch.uint8, torch.float8_e4m3fn)
-
-
-def _nv_shapes(x, rowwise, columnwise, rht):
-    m, n = x.shape
-    length = -(-m // 16) * 16 if rht else m
-    row = (x.new_empty((m, -(-n // 2)), dtype=torch.uint8), x.new_empty((m, -(-n // 16)), dtype=torch.float8_e4m3fn)) if rowwise else None
-    col = (x.new_empty((n, -(-length // 2)), dtype=torch.uint8), x.new_empty((n, -(-m // 16)), dtype=torch.float8_e4m3fn)) if columnwise else None
-    return row, col
-
-
 @torch.library.custom_op("qtensor::nvfp4_cast", mutates_args=())
 def nvfp4_cast_op(
     x: torch.Tensor, global_amax: torch.Tensor, column_amax: torch.Tensor, keys: Optional[torch.Tensor],
     rowwise: bool, columnwise: bool, block_2d: bool, rht: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     row, col = nvfp4.cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht)
-    return _flat(row, x.device, _NV) + _flat(col, x.device, _NV)
+    flat = lambda pair, direction: _flat(pair, NVFP4Storage, direction, x.device, rht=rht)
+    return flat(row, "rowwise") + flat(col, "columnwise")
 
 
 @nvfp4_cast_op.register_fake
 def _(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht):
-    row, col = _nv_shapes(x, rowwise, columnwise, rht)
-    return _flat(row, x.device, _NV) + _flat(col, x.device, _NV)
+    fake = lambda direction, present: _fake_direction(NVFP4Storage, direction, present, x, rht=rht)
+    return fake("rowwise", rowwise) + fake("columnwise", columnwise)
 
 
 @torch.library.custom_op("qtensor::nvfp4_dequantize", mutates_args=())
@@ -231,9 +245,7 @@ def hybrid_cast_op(
 
 @hybrid_cast_op.register_fake
 def _(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht):
-    m, n = x.shape
-    _, col = _nv_shapes(x, False, True, rht)
-    return (x.new_empty((m, n), dtype=fp8_dtype), x.new_empty((m, triton.cdiv(n, 32)), dtype=torch.uint8)) + col
+    return _fake_direction(MXFP8Storage, "rowwise", True, x, fp8_dtype=fp8_dtype) + _fake_direction(NVFP4Storage, "columnwise", True, x, rht=rht)
 
 
 # ---- the GEMM epilogue --------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Triton kernels of the Float8 format (one fp32 scale per tensor), bit-identical to the pure-torch
-reference in qtensor/formats/float8.py and qtensor/numerics.py (DESIGN.md §2 "Float8"):
+reference in qtensor/formats/float8.py and qtensor/numerics.py (docs/numerics.md, Float8):
 
 - `amax_partials(x)`: partial finite amaxes of `x` (their max is max|x| over the finite values),
   written without atomics, so nothing is zeroed first; `finite_amax(x)` reduces them to a 0-d tensor.
@@ -18,6 +18,8 @@ Every scale computation divides with IEEE round-to-nearest (`tl.div_rn`), as tor
 import torch
 import triton
 import triton.language as tl
+
+from qtensor.formats.float8 import Float8Storage
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _NAN_CODE = tl.constexpr(0x7F)  # the one NaN code qtensor writes (numerics.FP8_NAN_CODE)
@@ -44,12 +46,18 @@ def _amax_partials_kernel(x_ptr, partials_ptr, n, BLOCK: tl.constexpr, PROGRAMS:
     tl.store(partials_ptr + tl.program_id(0), tl.max(running, axis=0))
 
 
-def amax_partials(x: torch.Tensor) -> torch.Tensor:
-    """Partial finite amaxes of `x` (a power-of-two count of them), whose max is its finite amax."""
+# Up to 1024 programs: 91.5% of the copy bandwidth on an H200 (512: 79%; benchmarks/sweep_cast.py).
+MAX_AMAX_PARTIALS = 1024
+
+
+def amax_partials(x: torch.Tensor, programs: int | None = None) -> torch.Tensor:
+    """Partial finite amaxes of `x`, whose max is its finite amax: `programs` of them (a power of
+    two), by default as many as `x` fills, up to MAX_AMAX_PARTIALS; a program past the end of `x`
+    writes 0."""
     x = x.contiguous()
     n = x.numel()
-    # Up to 1024 programs: 91.5% of the copy bandwidth on an H200 (512: 79%; benchmarks/sweep_cast.py).
-    programs = min(1024, triton.next_power_of_2(max(triton.cdiv(n, 2 * _AMAX_BLOCK), 1)))
+    if programs is None:
+        programs = min(MAX_AMAX_PARTIALS, triton.next_power_of_2(max(triton.cdiv(n, 2 * _AMAX_BLOCK), 1)))
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
     _amax_partials_kernel[(programs,)](x, partials, n, BLOCK=_AMAX_BLOCK, PROGRAMS=programs, num_warps=8)
     return partials
@@ -162,18 +170,19 @@ def cast(
     """Cast the 2-D `x` to FP8 at `scale`, or at the scale current scaling derives from `amax`
     (a 0-d amax, or the partial amaxes of `amax_partials`).
 
-    Returns (rowwise codes [M, N] or None, columnwise codes [N, M] or None, 1/scale (0-d), partial
-    amaxes of `x` or None); the partial amaxes (their max is the finite amax of `x`) only with
-    `amax_out=True`.
+    Returns (rowwise codes or None, columnwise codes (the transpose) or None, 1/scale, partial
+    amaxes of `x` or None), the first three as Float8Storage.layout declares them; the partial
+    amaxes (their max is the finite amax of `x`) only with `amax_out=True`.
     """
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    row = torch.empty((M, N), dtype=fp8_dtype, device=x.device) if rowwise else None
-    col = torch.empty((N, M), dtype=fp8_dtype, device=x.device) if columnwise else None
+    new = lambda direction, name: Float8Storage.empty_buffers((name,), direction, M, N, x.device, fp8_dtype=fp8_dtype)[0]
+    row = new("rowwise", "data") if rowwise else None
+    col = new("columnwise", "data") if columnwise else None
     if scale is None:
         amax = amax.reshape(-1)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    scale_inv = new("rowwise", "scale_inv")
     if rows_per_word is None:
         rows_per_word = 4 if M % 4 == 0 else 1
     block_m, block_n, warps = block or _CAST_TILE[rows_per_word]

@@ -1,6 +1,6 @@
 """Triton kernel of the hybrid cast of qtensor's mxfp8_fwd_nvfp4_bwd recipe (an MXFP8 rowwise copy for
 the forward GEMM, an NVFP4 columnwise copy for the backward GEMMs): both copies from one read of
-each tile of `x`, bit-identical to the two children's references (formats/hybrid.py, DESIGN.md §2).
+each tile of `x`, bit-identical to the two children's references (formats/hybrid.py, docs/numerics.md, Hybrid).
 
 The tile is NVFP4's (qtensor_kernels/nvfp4.py): 16 rows, each thread holding VEC adjacent columns
 of all 16, so each column's NVFP4 block (and its transform) is in one thread's registers and a row's
@@ -10,6 +10,9 @@ MXFP8 block of 32 spans 32/VEC adjacent threads.
 import torch
 import triton
 import triton.language as tl
+
+from qtensor.formats.mxfp8 import MXFP8Storage
+from qtensor.formats.nvfp4 import NVFP4Storage
 
 from . import mxfp8, nvfp4
 
@@ -29,23 +32,22 @@ _CAST_TILE = (4, 8)  # (warps, bytes per thread and row), as nvfp4's: benchmarks
 
 
 def cast(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht, tile=_CAST_TILE):
-    """((MXFP8 rowwise data [M, N], scale codes [M, ceil(N/32)]), (NVFP4 columnwise data
-    [N, ceil(L/2)], scales [N, ceil(M/16)])) of the 2-D `x`, as mxfp8.cast and nvfp4.cast give them;
-    `keys` (4 int64, the columnwise copy's at 2 and 3) round the NVFP4 copy stochastically."""
+    """((MXFP8 rowwise data, scale codes), (NVFP4 columnwise data, scales)) of the 2-D `x`, as
+    mxfp8.cast and nvfp4.cast give them (shaped as the storages' layouts declare); `keys` (4 int64,
+    the columnwise copy's at 2 and 3) round the NVFP4 copy stochastically."""
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    device = x.device
-    col_length = -(-M // 16) * 16 if rht else M
-    row = (torch.empty((M, N), dtype=fp8_dtype, device=device), torch.empty((M, triton.cdiv(N, 32)), dtype=torch.uint8, device=device))
-    col = (torch.empty((N, -(-col_length // 2)), dtype=torch.uint8, device=device), torch.empty((N, -(-M // 16)), dtype=torch.uint8, device=device))
+    col_length = NVFP4Storage.stored_length_for("columnwise", M, N, rht)
+    row = MXFP8Storage.empty_buffers(("data", "scale_inv"), "rowwise", M, N, x.device, fp8_dtype=fp8_dtype)
+    col = NVFP4Storage.empty_buffers(("data", "scale_inv"), "columnwise", M, N, x.device, rht=rht)
     if M and N:
         block_n, vec, warps = nvfp4._tile_columns(x, tile)
         _cast_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
             x, M, N, x.stride(0), row[0].view(torch.uint8), row[1], column_amax, keys if keys is not None else column_amax,
-            *nvfp4._int32_view(col, col_length), col_length,
+            *nvfp4._kernel_view(col, col_length), col_length,
             FP8_MAX=mxfp8._FP8_MAX[fp8_dtype], EMAX=mxfp8._ELEMENT_EMAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2,
             RCEIL=scale_rounding == "rceil", BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None, COL_INT32=col_length % 8 == 0,
             WIDE=nvfp4._wide_pairs(M, N, col_length), BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
         )
-    return row, (col[0], col[1].view(torch.float8_e4m3fn))
+    return row, col

@@ -1,5 +1,5 @@
 """Triton kernels of the MXFP8 format (an E8M0 scale per 32 elements), bit-identical to the pure-torch
-reference in qtensor/formats/mxfp8.py (DESIGN.md §2 "MXFP8"):
+reference in qtensor/formats/mxfp8.py (docs/numerics.md, MXFP8):
 
 - `cast(x, fp8_dtype, scale_rounding, rowwise, columnwise)`: one read of each tile of `x` gives both
   directions: the rowwise codes with a scale per 32 elements along each row, and the columnwise
@@ -10,6 +10,8 @@ reference in qtensor/formats/mxfp8.py (DESIGN.md §2 "MXFP8"):
 import torch
 import triton
 import triton.language as tl
+
+from qtensor.formats.mxfp8 import MXFP8Storage
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _ELEMENT_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
@@ -88,7 +90,7 @@ def _cast_kernel(
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    # Partial blocks behave as zero-padded (DESIGN.md §2).
+    # Partial blocks behave as zero-padded (docs/numerics.md, Non-finite values and partial blocks).
     x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROWWISE:  # blocks of 32 along each row
         _quantize_rows(x, offs_m, offs_n, tl.program_id(1), row_ptr, row_codes_ptr, M, N, BLOCK_M, BLOCK_N, FP8_MAX, EMAX, E5M2, RCEIL)
@@ -103,14 +105,14 @@ def _cast_kernel(
 
 
 def cast(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str, rowwise: bool, columnwise: bool, block=None):
-    """((rowwise data [M, N], codes [M, ceil(N/32)]) or None, (columnwise data [M, N], codes
-    [ceil(M/32), N]) or None) of the 2-D `x`, from one read of each tile."""
+    """((rowwise data, scale codes) or None, (columnwise data, scale codes) or None) of the 2-D
+    `x`, shaped as MXFP8Storage.layout declares them, from one read of each tile."""
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    device = x.device
-    row = (torch.empty((M, N), dtype=fp8_dtype, device=device), torch.empty((M, triton.cdiv(N, 32)), dtype=torch.uint8, device=device)) if rowwise else None
-    col = (torch.empty((M, N), dtype=fp8_dtype, device=device), torch.empty((triton.cdiv(M, 32), N), dtype=torch.uint8, device=device)) if columnwise else None
+    new = lambda direction: MXFP8Storage.empty_buffers(("data", "scale_inv"), direction, M, N, x.device, fp8_dtype=fp8_dtype)
+    row = new("rowwise") if rowwise else None
+    col = new("columnwise") if columnwise else None
     if M and N:
         block_m, block_n, warps = block or _CAST_TILE
         some = row or col

@@ -1,5 +1,5 @@
 """Triton kernels of the NVFP4 format (E2M1 elements, an E4M3 scale per 16 elements, an fp32 tensor
-scale), bit-identical to the pure-torch reference in qtensor/formats/nvfp4.py (DESIGN.md §2 "NVFP4"):
+scale), bit-identical to the pure-torch reference in qtensor/formats/nvfp4.py (docs/numerics.md, NVFP4):
 
 - `amaxes(x)`: the finite amax of `x` and of its columnwise copy after the Hadamard transform, from
   one read (without the transform, the Float8 kernels' `finite_amax` gives the one amax).
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qtensor.formats.nvfp4 import _MIX_MULTIPLIERS, _RHT_NEGATIVE_MASK
+from qtensor.formats.nvfp4 import _MIX_MULTIPLIERS, _RHT_NEGATIVE_MASK, NVFP4Storage
 
 from .float8 import _like
 from .mxfp8 import _block_amax, _pow2
@@ -167,7 +167,7 @@ def _hadamard_columns(x, C: tl.constexpr):
 @triton.jit
 def _load_tile(x_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
     """(rows, columns, the fp32 tile x [16, BLOCK_N]) of program (i, j): rows 16i.., zeros past the
-    matrix (partial blocks, and the rows the transform pads to a multiple of 16, DESIGN.md §2).
+    matrix (partial blocks, and the rows the transform pads to a multiple of 16, docs/numerics.md, NVFP4).
     Each thread loads VEC adjacent columns of all 16 rows: the layout every cast below keeps."""
     rows = tl.program_id(0).to(tl.int64) * 16 + tl.arange(0, 16)
     cols = tl.max_contiguous(tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N), VEC)
@@ -321,34 +321,33 @@ def _wide_pairs(M, N, col_length):
     return max(M * -(-N // 2), N * -(-col_length // 2)) > 2**32 - 1
 
 
-def _int32_view(pair, length):
-    """(data, scales) with the data viewed as int32 words of 8 codes where rows hold whole words."""
-    return (pair[0].view(torch.int32) if length % 8 == 0 else pair[0]), pair[1]
+def _kernel_view(pair, length):
+    """(data, scales) as the cast kernel writes them: the data as int32 words of 8 codes where rows
+    hold whole words, the E4M3 scales as their bytes."""
+    return (pair[0].view(torch.int32) if length % 8 == 0 else pair[0]), pair[1].view(torch.uint8)
 
 
 def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, tile=None):
-    """((rowwise data [M, ceil(N/2)], scales [M, ceil(N/16)]) or None, (columnwise data
-    [N, ceil(L/2)], scales [N, ceil(M/16)]) or None) of the 2-D `x`, L being M, or M padded to a
-    multiple of 16 with `rht`; the scale codes as float8_e4m3fn."""
+    """((rowwise data, scales) or None, (columnwise data, scales) or None) of the 2-D `x`, shaped as
+    NVFP4Storage.layout declares them (the columnwise rows padded to whole runs of 16 with `rht`)."""
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    device = x.device
-    col_length = -(-M // 16) * 16 if rht else M
-    new = lambda r, c: (torch.empty((r, -(-c // 2)), dtype=torch.uint8, device=device), torch.empty((r, -(-c // 16)), dtype=torch.uint8, device=device))
-    row = new(M, N) if rowwise else None
-    col = new(N, col_length) if columnwise else None
+    col_length = NVFP4Storage.stored_length_for("columnwise", M, N, rht)
+    new = lambda direction: NVFP4Storage.empty_buffers(("data", "scale_inv"), direction, M, N, x.device, rht=rht)
+    row = new("rowwise") if rowwise else None
+    col = new("columnwise") if columnwise else None
     if M and N:
         block_n, vec, warps = _tile_columns(x, tile or _CAST_TILE["nearest" if keys is None else "stochastic"])
-        some = row or col
+        some = row or col  # stands in for the absent direction, whose pointers the kernel never uses
+        some = (some[0], some[1].view(torch.uint8))
         _cast_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
             x, M, N, x.stride(0), global_amax, column_amax, keys if keys is not None else global_amax,
-            *(_int32_view(row, N) if row else some), *(_int32_view(col, col_length) if col else some), col_length,
+            *(_kernel_view(row, N) if row else some), *(_kernel_view(col, col_length) if col else some), col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
             ROW_INT32=N % 8 == 0, COL_INT32=col_length % 8 == 0, WIDE=_wide_pairs(M, N, col_length), BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
         )
-    as_scales = lambda pair: None if pair is None else (pair[0], pair[1].view(torch.float8_e4m3fn))
-    return as_scales(row), as_scales(col)
+    return row, col
 
 
 @triton.jit

@@ -134,8 +134,8 @@ def sharded(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def batches():
-    generator = torch.Generator().manual_seed(1)
+def batches(seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
         x = torch.randn(16, WIDTH, generator=generator)
         yield x.to(device()), torch.randn(16, OUT, generator=generator).to(device())
@@ -148,14 +148,34 @@ def probe_logits(model: nn.Module) -> torch.Tensor:
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
-def train(model: nn.Module, weights: str) -> dict:
-    """Losses of a few steps, then the logits on a fixed batch."""
+def layer_histories(model: nn.Module) -> dict:
+    """Every delayed-scaling amax history this process holds, by (layer, role), as lists. The
+    quantizers travel on each layer's weight (on a sharded model, on its local shard); a quantized
+    weight records its own casts in its own quantizer."""
+    found = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        local = getattr(weight, "_local_tensor", weight)
+        linear = getattr(local, "linear_quantizers", None)
+        if linear is None:
+            continue
+        for role in ("input", "weight", "grad_output"):
+            quantizer = local.quantizer if role == "weight" and isinstance(local, qtensor.QuantizedTensor) else getattr(linear, role)
+            found[(name, role)] = quantizer.amax_history.tolist()
+    return found
+
+
+def train(model: nn.Module, weights: str, *, evaluate_between_steps: bool = False, batch_seed: int = 1) -> dict:
+    """Losses of a few steps, then the logits on a fixed batch. `evaluate_between_steps`: an
+    evaluation forward on that batch before the first step and between steps."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if weights == "quantized":
         optimizer = qtensor.optim.MasterWeights(optimizer)
     torch.manual_seed(2)  # stochastic rounding draws from here, the same in both runs
     losses = []
-    for x, target in batches():
+    for x, target in batches(batch_seed):
+        if evaluate_between_steps:
+            probe_logits(model)
         loss = F.mse_loss(model(x).float(), target)  # the loss in fp32 (bf16 logits under MixedPrecisionPolicy)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
@@ -188,8 +208,15 @@ def _counting(original):
 
 def count_all_gather_bytes():
     """Record, per all-gather, the bytes handed to it against the bf16 bytes of the same shard."""
-    for cls in (qtensor.QuantizedTensor, qtensor.DynamicWeight):
+    from qtensor.weight import QuantizedWeight  # a quantized layer weight (weights="quantized")
+
+    for cls in (QuantizedWeight, qtensor.DynamicWeight):
         cls.fsdp_pre_all_gather = _counting(cls.fsdp_pre_all_gather)
+
+
+def _format_class(tensor) -> str:
+    """The format's tensor class of a quantized layer weight (what files store), else the type."""
+    return type(tensor).data_class.__name__ if isinstance(tensor, qtensor.QuantizedTensor) else type(tensor).__name__
 
 
 def run_distributed(out_path: str) -> None:
@@ -215,6 +242,17 @@ def run_distributed(out_path: str) -> None:
         result = train(model, weights)
         result["all_gathers"] = list(GATHER_LOG)
         results[(recipe, weights, reshard)] = result
+    # Where FSDP2's state cannot be read (fsdp.regathers_before_backward finds no parameter group),
+    # the forward gather also brings what the backward reads: correct, more bytes.
+    if not only or only == "unknown_regather":
+        found = qtensor.fsdp._param_group_of
+        qtensor.fsdp._param_group_of = lambda module, root: None
+        try:
+            model = build("mxfp8", "dynamic")
+            GATHER_LOG.clear()
+            results["unknown_regather"] = {**train(sharded(model, mesh), "dynamic"), "all_gathers": list(GATHER_LOG)}
+        finally:
+            qtensor.fsdp._param_group_of = found
     # MixedPrecisionPolicy(param_dtype=bf16): the gathered weight is a bf16 quantized tensor.
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -228,7 +266,7 @@ def run_distributed(out_path: str) -> None:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         seen = {}
         model.layers[0].up.register_forward_pre_hook(
-            lambda module, args: seen.update(weight=(type(module.weight).__name__, module.weight.dtype))
+            lambda module, args: seen.update(weight=(_format_class(module.weight), module.weight.dtype))
         )
         result = train(model, weights)
         result["gathered_weight"] = seen["weight"]
@@ -250,7 +288,7 @@ def run_distributed(out_path: str) -> None:
                 module.reset_parameters()
         result = train(model, weights)
         local = model.layers[0].up.weight._local_tensor
-        result["local_type"] = type(local).__name__
+        result["local_type"] = _format_class(local)
         if isinstance(local, qtensor.QuantizedTensor):
             scales = [torch.zeros((), device=device()) for _ in range(dist.get_world_size())]
             dist.all_gather(scales, local.rowwise.scale_inv.clone())
@@ -360,6 +398,34 @@ def run_distributed(out_path: str) -> None:
         results["block_error"] = None
     except ValueError as error:
         results["block_error"] = str(error)
+    # Evaluation forwards between the steps (the same batches on every rank, as above).
+    for recipe in RECIPES:
+        for weights in ("dynamic", "quantized"):
+            if only and only != "evaluating":
+                break
+            model = sharded(build(recipe, weights), mesh)
+            results[("evaluating", recipe, weights)] = train(model, weights, evaluate_between_steps=True)
+    # Delayed scaling with different batches on each rank: every rank must end with the same histories.
+    for weights in ("dynamic", "quantized"):
+        if only and only != "own_batches":
+            break
+        model = sharded(build("float8_delayed", weights), mesh)
+        trained = train(model, weights, batch_seed=100 + dist.get_rank())
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"histories": layer_histories(model), "logits": trained["logits"].cpu()})
+        results[("own_batches", weights)] = per_rank
+    # A quantized MXFP8 weight whose shard edge cuts a columnwise block (48 rows per rank, blocks of 32).
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    bad = nn.Sequential(OrderedDict(proj=nn.Linear(32, 96))).to(device())
+    qtensor.quantize_(bad, qtensor.recipes.mxfp8(), weights="quantized")
+    try:
+        fully_shard(bad, mesh=mesh)
+        bad(torch.randn(4, 32, device=device())).sum().backward()
+        results[("block_error", "quantized")] = None
+    except ValueError as error:
+        results[("block_error", "quantized")] = str(error)
     if dist.get_rank() == 0:
         torch.save(results, out_path)  # (tensors stay on their device; the test loads them there)
     dist.barrier()
@@ -377,5 +443,5 @@ if __name__ == "__main__":
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # DESIGN.md §4: a 2-process gloo run can abort at interpreter exit; leave without the teardown.
+    # docs/design.md, FSDP2: a 2-process gloo run can abort at interpreter exit; leave without the teardown.
     os._exit(code)

@@ -1,4 +1,4 @@
-"""Independent numpy reference of the qtensor formats, written from DESIGN.md §2.
+"""Independent numpy reference of the qtensor formats, written from docs/numerics.md.
 
 All math is numpy float32 with round-to-nearest-even, in the spec's order of operations;
 ml_dtypes provides the narrow casts (it does not saturate, so every cast is clamped first).
@@ -33,7 +33,7 @@ _IGNORE_FP = dict(over="ignore", under="ignore", invalid="ignore", divide="ignor
 
 
 def finite_amax(x) -> np.float32:
-    """max|x| over the finite values (DESIGN.md §2: tensor-wide amaxes skip NaN/Inf); 0 if none."""
+    """max|x| over the finite values (docs/numerics.md, Conventions: tensor-wide amaxes skip NaN/Inf); 0 if none."""
     magnitudes = np.abs(np.asarray(x, F32)[np.isfinite(x)])
     return F32(magnitudes.max()) if magnitudes.size else F32(0)
 
@@ -46,7 +46,7 @@ def saturating_cast(y, narrow_dtype, max_value):
 
 
 def _pad_columns(x2d, multiple):
-    """Zero-pad the last dimension to a multiple (§2: a short last block behaves as zero-padded)."""
+    """Zero-pad the last dimension to a multiple (docs/numerics.md, Non-finite values and partial blocks: a short last block behaves as zero-padded)."""
     pad = (-x2d.shape[1]) % multiple
     return np.pad(x2d, ((0, 0), (0, pad))) if pad else x2d
 
@@ -88,7 +88,7 @@ class Float8Result(NamedTuple):
 
 
 def float8_scale(amax, fp8="e4m3", margin=0, force_pow_2_scales=False) -> np.float32:
-    """§2 Float8: scale = (fp8_max / amax) / 2**margin, 1 for amax 0, Inf -> FLT_MAX, pow2 floor."""
+    """docs/numerics.md, Float8: scale = (fp8_max / amax) / 2**margin, 1 for amax 0, Inf -> FLT_MAX, pow2 floor."""
     _, fp8_max, _ = FP8_FORMATS[fp8]
     amax = F32(amax)
     if amax == 0:
@@ -105,7 +105,7 @@ def float8_scale(amax, fp8="e4m3", margin=0, force_pow_2_scales=False) -> np.flo
 
 
 def float8_cast(x2d, scale, fp8="e4m3") -> Float8Result:
-    """§2 Float8: q = fp8(x * scale) saturating (non-finite inputs pass through); value q * (1/scale)."""
+    """docs/numerics.md, Float8: q = fp8(x * scale) saturating (non-finite inputs pass through); value q * (1/scale)."""
     narrow, fp8_max, _ = FP8_FORMATS[fp8]
     x = np.asarray(x2d, F32)
     scale = F32(scale)
@@ -117,13 +117,13 @@ def float8_cast(x2d, scale, fp8="e4m3") -> Float8Result:
 
 
 def float8_current(x2d, fp8="e4m3", amax_epsilon=0.0, force_pow_2_scales=False) -> Float8Result:
-    """§2 Float8 current scaling: amax = max(finite max|x|, amax_epsilon)."""
+    """docs/numerics.md, Float8 (current scaling): amax = max(finite max|x|, amax_epsilon)."""
     amax = max(finite_amax(x2d), F32(amax_epsilon))
     return float8_cast(x2d, float8_scale(amax, fp8, 0, force_pow_2_scales), fp8)
 
 
 class Float8Delayed:
-    """§2 Float8 delayed scaling: the scale comes from the amax history before each cast."""
+    """docs/numerics.md, Float8 (delayed scaling): the scale comes from the amax history before each cast."""
 
     def __init__(self, fp8="e4m3", amax_epsilon=0.0, force_pow_2_scales=False,
                  amax_history_len=1024, amax_compute_algo="max", margin=0):
@@ -156,7 +156,7 @@ class MXFP8Result(NamedTuple):
 
 
 def e8m0_rceil(block_amax, fp8="e4m3"):
-    """§2 MXFP8 rceil: smallest code with 2**(c-127) >= block_amax * (1/fp8_max), capped at 254."""
+    """docs/numerics.md, MXFP8 (rceil): smallest code with 2**(c-127) >= block_amax * (1/fp8_max), capped at 254."""
     _, fp8_max, _ = FP8_FORMATS[fp8]
     block_amax = np.asarray(block_amax, F32)
     with np.errstate(**_IGNORE_FP):
@@ -171,7 +171,7 @@ def e8m0_rceil(block_amax, fp8="e4m3"):
 
 
 def e8m0_floor(block_amax, fp8="e4m3"):
-    """§2 MXFP8 floor (OCP MX v1.0): clamp(floor(log2(amax)) - emax + 127, 0, 254)."""
+    """docs/numerics.md, MXFP8 (floor, OCP MX v1.0): clamp(floor(log2(amax)) - emax + 127, 0, 254)."""
     _, _, emax = FP8_FORMATS[fp8]
     block_amax = np.asarray(block_amax, F32)
     _, exponent = np.frexp(np.where(np.isfinite(block_amax), block_amax, F32(1)))
@@ -202,7 +202,7 @@ def _mxfp8_rows(x, fp8, rule):
 
 
 def mxfp8(x2d, direction="rowwise", fp8="e4m3", rule="rceil") -> MXFP8Result:
-    """§2 MXFP8: rowwise blocks run along K, columnwise along M; both read the input x."""
+    """docs/numerics.md, MXFP8: rowwise blocks run along K, columnwise along M; both read the input x."""
     x = np.asarray(x2d, F32)
     if direction == "rowwise":
         return _mxfp8_rows(x, fp8, rule)
@@ -226,7 +226,7 @@ class NVFP4Result(NamedTuple):
 
 
 def nvfp4_tensor_scale(global_amax) -> np.float32:
-    """§2 NVFP4: S_enc = (448 * 6) / global_amax; 1 if global_amax is 0; FLT_MAX on overflow."""
+    """docs/numerics.md, NVFP4: S_enc = (448 * 6) / global_amax; 1 if global_amax is 0; FLT_MAX on overflow."""
     global_amax = F32(global_amax)
     if global_amax == 0:
         return F32(1)
@@ -269,7 +269,7 @@ def _nvfp4_rows(t, s_enc, block_amax, nonfinite):
 
 
 def hadamard_16():
-    """§2 RHT matrix H = diag(s) @ H16 / 4 (H16 the Sylvester Hadamard matrix), in fp32."""
+    """docs/numerics.md, NVFP4 (random Hadamard transform): matrix H = diag(s) @ H16 / 4 (H16 the Sylvester Hadamard matrix), in fp32."""
     i = np.arange(16)
     popcount = np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :])
     h16 = np.where(popcount % 2 == 0, 1.0, -1.0)
@@ -296,7 +296,7 @@ def rht_inverse(t_padded, rows):
 
 
 def nvfp4(x2d, direction="rowwise", block_2d=False, rht=False) -> NVFP4Result:
-    """§2 NVFP4. Rowwise: blocks along K, storage [M, .]. Columnwise: the transpose [K, M] quantized
+    """docs/numerics.md, NVFP4. Rowwise: blocks along K, storage [M, .]. Columnwise: the transpose [K, M] quantized
     along its rows (rht: of the Hadamard-transformed, row-padded x). block_2d: 16x16 tiles of x2d."""
     x = np.asarray(x2d, F32)
     rows, cols = x.shape
@@ -340,7 +340,7 @@ def e2m1_neighbours(scaled):
 
 
 def nvfp4_values(codes, scale_codes, global_amax):
-    """§2 NVFP4 value (q * float(s)) * (1/S_enc) of element codes [R, N] under block scales [R, nb]."""
+    """docs/numerics.md, NVFP4: value (q * float(s)) * (1/S_enc) of element codes [R, N] under block scales [R, nb]."""
     codes = np.asarray(codes, np.uint8)
     s_value = np.asarray(scale_codes, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F32)
     decode = F32(F32(1) / nvfp4_tensor_scale(global_amax))

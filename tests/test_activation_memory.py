@@ -19,7 +19,7 @@ RECIPES = ["float8_current", "float8_delayed", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp
 
 def columnwise_bytes(recipe: str, rows: int, cols: int) -> int:
     """Bytes of the columnwise copy of a [rows, cols] tensor, from each format's definition
-    (DESIGN.md §2): Float8 1 byte per element and one fp32 scale; MXFP8 1 byte per element and one
+    (docs/numerics.md, Buffer layouts): Float8 1 byte per element and one fp32 scale; MXFP8 1 byte per element and one
     E8M0 byte per 32; NVFP4 (the hybrid's columnwise child too) half a byte per element, one E4M3
     byte per 16 and one fp32 amax."""
     n = rows * cols

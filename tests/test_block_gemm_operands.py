@@ -1,9 +1,13 @@
 """What the fast GEMM paths of the block formats rest on, checked on the CPU against independent
-references: the bf16 operands hold the formats' values exactly, the tensor scale applied to the
-result gives back the dequantized value bit for bit, stochastic rounding's draws follow their
-counter-based definition, and Blackwell's scale layout places every scale where the tiled layout
-puts it."""
+references: the bf16 and block-scaled operands hold the formats' values exactly, the tensor scale
+applied to the result gives back the dequantized value bit for bit, stochastic rounding's draws
+follow their counter-based definition, Blackwell's scale layout places every scale where the tiled
+layout puts it, and the backend a pair of storages runs on follows the operand forms they offer."""
 
+import threading
+from unittest import mock
+
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -102,9 +106,142 @@ def test_mxfp8_and_float8_bf16_operands_hold_their_values(direction, fp8_dtype):
     oracle.assert_same_bits(k_last(values.float() * tensor_scale.value()), expected.deq, f"Float8 {direction}")
 
 
-def test_every_pair_of_block_and_per_tensor_formats_has_a_fast_gemm():
-    formats = ("float8", "mxfp8", "nvfp4")
-    assert all((a, b) in gemm.BACKENDS for a in formats for b in formats)
+def k_last_values(operand):
+    """fp32 values of a block-scaled operand, decoded from its own fields: [R, K]."""
+    data = operand.data.view(torch.uint8).numpy()
+    if operand.block_size == 32:  # FP8 codes times 2**(E8M0 code - 127)
+        fp8 = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e5m2: ml_dtypes.float8_e5m2}[operand.data.dtype]
+        values = data.view(fp8).astype(np.float32)
+        scales = np.exp2(operand.scales.view(torch.uint8).numpy().astype(np.float32) - 127)
+    else:  # E2M1 pairs (element 2i in the low nibble) times E4M3 scales, times the tensor scale
+        codes = oracle.unpack_nibbles(data, operand.length)
+        values = np.where(codes & 8, -1, 1) * oracle.E2M1_MAGNITUDES[codes & 7]
+        scales = operand.scales.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    per_element = np.repeat(scales, operand.block_size, axis=1)[:, : operand.length]
+    values = (values * per_element).astype(np.float32)
+    if operand.tensor_scale is not None:
+        values = (values * operand.tensor_scale.value().numpy()).astype(np.float32)
+    return values
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mxfp8_block_scaled_operand_holds_its_values_reduction_dimension_last(fp8_dtype, direction):
+    x = varied(64, 96)
+    operand = getattr(qtensor.MXFP8Quantizer(fp8_dtype).quantize(x), direction).block_scaled_operand()
+    assert operand.data.is_contiguous() and operand.scales.dtype == torch.float8_e8m0fnu and operand.tensor_scale is None
+    expected = oracle.mxfp8(x.numpy(), direction, "e4m3" if fp8_dtype == torch.float8_e4m3fn else "e5m2").deq
+    oracle.assert_same_bits(k_last_values(operand), expected if direction == "rowwise" else expected.T, f"MXFP8 {direction}")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("options", ["blocks", "tiles"])
+def test_nvfp4_block_scaled_operand_holds_its_values_times_its_tensor_scale(options, direction):
+    x = varied(70, 96)
+    operand = getattr(qtensor.NVFP4Quantizer(**NVFP4_OPTIONS[options]).quantize(x), direction).block_scaled_operand()
+    assert operand.data.dtype == torch.float4_e2m1fn_x2 and operand.scales.dtype == torch.float8_e4m3fn
+    expected = oracle.nvfp4(x.numpy(), direction, **NVFP4_OPTIONS[options])
+    oracle.assert_same_bits(k_last_values(operand), expected.deq_storage, f"NVFP4 {direction}")
+
+
+def test_a_transformed_nvfp4_copy_offers_no_block_scaled_operand():
+    """The native GEMM takes the values themselves: wgrad's Hadamard-domain copies stay on bf16."""
+    q = qtensor.NVFP4Quantizer(rht=True).quantize(varied(64, 96))
+    assert q.columnwise.block_scaled_operand() is None and q.columnwise.reduction_transform() == "rht"
+    assert q.rowwise.block_scaled_operand() is not None and q.rowwise.reduction_transform() is None
+
+
+# ---- which backend runs a pair: the operand forms its storages offer -------------------------------
+QUANTIZERS = {
+    "float8": lambda: qtensor.Float8Quantizer(),
+    "float8_e5m2": lambda: qtensor.Float8Quantizer(torch.float8_e5m2),
+    "mxfp8": lambda: qtensor.MXFP8Quantizer(),
+    "nvfp4": lambda: qtensor.NVFP4Quantizer(),
+    "nvfp4_rht": lambda: qtensor.NVFP4Quantizer(rht=True),
+    "mxfp8_fwd_nvfp4_bwd": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer()),
+    "identity": lambda: qtensor.IdentityQuantizer(torch.bfloat16),
+}
+CPU, AMPERE, HOPPER, BLACKWELL = None, (8, 0), (9, 0), (10, 0)
+MKN = (64, 128, 32)
+
+# (device, A's quantizer, B's quantizer, GEMM, [M, K, N]) → the backend that runs it.
+SELECTION = [
+    (HOPPER, "float8", "float8", "fprop", MKN, "float8_scaled_mm"),
+    (HOPPER, "float8", "float8_e5m2", "wgrad", MKN, "float8_scaled_mm"),
+    (HOPPER, "float8_e5m2", "float8_e5m2", "dgrad", MKN, "reference"),  # no E5M2 x E5M2 FP8 GEMM, and Float8 pairs
+    (HOPPER, "float8", "float8", "fprop", (40, 128, 32), "reference"),  # never fall back to the bf16 one
+    (AMPERE, "float8", "float8", "fprop", MKN, "reference"),
+    (AMPERE, "mxfp8", "mxfp8", "fprop", MKN, "dequantized_bf16_mm"),
+    (HOPPER, "mxfp8", "mxfp8", "dgrad", MKN, "dequantized_bf16_mm"),
+    (HOPPER, "mxfp8", "nvfp4", "fprop", MKN, "dequantized_bf16_mm"),
+    (HOPPER, "float8", "nvfp4", "wgrad", MKN, "dequantized_bf16_mm"),
+    (HOPPER, "mxfp8_fwd_nvfp4_bwd", "mxfp8_fwd_nvfp4_bwd", "dgrad", MKN, "dequantized_bf16_mm"),
+    (HOPPER, "nvfp4_rht", "nvfp4_rht", "wgrad", MKN, "dequantized_bf16_mm"),  # the transform cancels
+    (HOPPER, "nvfp4_rht", "nvfp4", "wgrad", MKN, "reference"),  # one transformed copy, one not
+    (HOPPER, "identity", "float8", "fprop", MKN, "reference"),
+    (BLACKWELL, "mxfp8", "mxfp8", "wgrad", MKN, "block_scaled_mm"),
+    (BLACKWELL, "nvfp4", "nvfp4", "fprop", MKN, "block_scaled_mm"),
+    (BLACKWELL, "mxfp8_fwd_nvfp4_bwd", "mxfp8_fwd_nvfp4_bwd", "fprop", MKN, "block_scaled_mm"),
+    (BLACKWELL, "mxfp8_fwd_nvfp4_bwd", "mxfp8_fwd_nvfp4_bwd", "wgrad", MKN, "block_scaled_mm"),
+    (BLACKWELL, "mxfp8", "nvfp4", "fprop", MKN, "dequantized_bf16_mm"),  # blocks of 32 and of 16 do not meet
+    (BLACKWELL, "mxfp8", "mxfp8", "fprop", (64, 48, 32), "dequantized_bf16_mm"),  # K not a multiple of 32
+    (BLACKWELL, "nvfp4_rht", "nvfp4_rht", "wgrad", MKN, "dequantized_bf16_mm"),
+    (BLACKWELL, "float8", "float8", "dgrad", MKN, "float8_scaled_mm"),
+    (CPU, "float8", "float8", "fprop", MKN, "reference"),
+    (CPU, "mxfp8", "mxfp8", "fprop", MKN, "reference"),
+]
+
+
+def zeros_product(a, b, *args, out_dtype=torch.float32, output_dtype=None, **kwargs):
+    """A stand-in for torch's fast GEMMs, which the CPU has none of: only the shape matters here."""
+    return torch.zeros(a.shape[0], b.shape[1], dtype=output_dtype or out_dtype)
+
+
+@pytest.mark.parametrize("capability,a,b,which,mkn,expected", SELECTION)
+def test_the_backend_of_a_pair_follows_the_operand_forms_its_storages_offer(capability, a, b, which, mkn, expected):
+    m, k, n = mkn
+    x, w, g = varied(m, k, 1), varied(n, k, 2), varied(m, n, 3)
+    qa, qb = QUANTIZERS[a](), QUANTIZERS[b]()
+    a_tensor, a_direction, b_tensor, b_direction = {
+        "fprop": (qa.quantize(x), "rowwise", qb.quantize(w), "rowwise"),
+        "dgrad": (qa.quantize(g), "rowwise", qb.quantize(w), "columnwise"),
+        "wgrad": (qa.quantize(g), "columnwise", qb.quantize(x), "columnwise"),
+    }[which]
+    device = torch.device("cpu") if capability is None else torch.device("cuda", 0)
+    with (
+        mock.patch.object(gemm, "_capability", lambda index: capability),
+        mock.patch.object(torch, "_scaled_mm", zeros_product),
+        mock.patch.object(torch.nn.functional, "scaled_mm", zeros_product),
+        mock.patch.object(torch, "mm", zeros_product),
+    ):
+        fast = gemm._fast_product(a_tensor.storage_for(a_direction), b_tensor.storage_for(b_direction), device, None, torch.float32)
+    assert (fast[0] if fast else "reference") == expected
+    if fast:
+        assert fast[1].shape == (m if which != "wgrad" else n, n if which == "fprop" else k)
+
+
+def test_every_pair_of_float8_mxfp8_and_nvfp4_storages_offers_the_bf16_form():
+    """So every such pair, hybrid children included, has a fast GEMM on any GPU with bf16 tensor cores."""
+    x = varied(64, 96)
+    storages = [
+        getattr(QUANTIZERS[name]().quantize(x), direction)
+        for name in ("float8", "mxfp8", "nvfp4", "nvfp4_rht")
+        for direction in DIRECTIONS
+    ]
+    assert all(storage.bf16_operand() is not None for storage in storages)
+    assert qtensor.IdentityQuantizer().quantize(x).rowwise.bf16_operand() is None
+
+
+def test_backend_counts_count_every_gemm_of_every_thread():
+    x, w = qtensor.MXFP8Quantizer().quantize(varied(32, 64)), qtensor.MXFP8Quantizer().quantize(varied(16, 64, 1))
+    gemm.backend_counts(reset=True)
+    threads = [threading.Thread(target=lambda: [gemm.fprop(x, w) for _ in range(50)]) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert gemm.backend_counts(reset=True) == {"reference": 400}
+    assert gemm.backend_counts() == {}
 
 
 # ---- Blackwell's scale layout --------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The buffer contract (storage.py): what each format declares, and what is derived from it.
 
-Buffer shapes are checked against numbers written here from DESIGN.md §2, concatenated row pieces
+Buffer shapes are checked against numbers written here from docs/numerics.md, Buffer layouts, concatenated row pieces
 against the tensor they were cut from, and the flatten context against torch.compile's needs
 (hashable, compared by value, no shape, no tensors).
 """
@@ -180,12 +180,12 @@ def _contains_tensor(value) -> bool:
 def test_flatten_context_is_hashable_by_value_and_holds_no_shape_or_tensors(fmt):
     a = FORMATS[fmt]().quantize(sample(3, 16, 48))
     b = FORMATS[fmt]().quantize(sample(5, 32, 48, seed=3))  # another shape, other values, new quantizer
-    names_a, (key_a, quantizer_a, layer_a) = a.__tensor_flatten__()
-    names_b, (key_b, quantizer_b, layer_b) = b.__tensor_flatten__()
-    assert names_a == names_b and (key_a, quantizer_a, layer_a) == (key_b, quantizer_b, layer_b)
-    assert hash((key_a, quantizer_a, layer_a)) == hash((key_b, quantizer_b, layer_b))
-    assert not _contains_tensor(key_a)  # and no shape: the two tensors' shapes differ, their contexts do not
-    rebuilt = type(a).__tensor_unflatten__({n: getattr(a, n) for n in names_a}, (key_a, quantizer_a, layer_a), a.shape, None)
+    names_a, context_a = a.__tensor_flatten__()
+    names_b, context_b = b.__tensor_flatten__()
+    assert names_a == names_b and context_a == context_b
+    assert hash(context_a) == hash(context_b)
+    assert not _contains_tensor(context_a[0])  # and no shape: the two tensors' shapes differ, their contexts do not
+    rebuilt = type(a).__tensor_unflatten__({n: getattr(a, n) for n in names_a}, context_a, a.shape, None)
     assert type(rebuilt) is type(a) and rebuilt.shape == a.shape and all_buffers_equal(rebuilt, a)
     assert rebuilt.shared_buffer_names() == a.shared_buffer_names()
 

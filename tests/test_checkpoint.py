@@ -1,4 +1,4 @@
-"""safetensors checkpoints (API.md "Checkpoints"): round trips, file contents, bad files, models.
+"""safetensors checkpoints (docs/checkpoints.md, docs/checkpoint-format.md): round trips, file contents, bad files, models.
 
 Round trips are checked byte for byte against the tensor that was saved, and the file's contents
 are read back with plain `safetensors.safe_open` (not qtensor's loader): the file must hold the
@@ -568,3 +568,21 @@ def test_the_documented_format_decodes_a_file_without_qtensor(tmp_path):
     qtensor.save_file(tensors, path)
     for key, q in tensors.items():
         assert torch.equal(namespace["decode_rowwise"](str(path), key), q.dequantize(torch.float32, "rowwise")), key
+
+
+def test_a_state_dict_entry_is_a_load_target_that_takes_the_checkpoints_scale_row_range_by_row_range():
+    """torch.distributed.checkpoint fills a state_dict entry chunk by chunk, each a row range of one
+    saved tensor: the entry of a quantized weight takes the saved scale (docs/checkpoints.md), while
+    the parameter itself still refuses bytes of another scale in a row slice."""
+    model = nn.Sequential(nn.Linear(48, 64, bias=False))
+    qtensor.quantize_(model, qtensor.recipes.float8_current(), weights="quantized")
+    saved = qtensor.Float8Quantizer().quantize(torch.randn(64, 48) * 100)  # another scale than the model's
+    entry = model.state_dict()["0.weight"]
+    for start in (0, 32):  # as DCP copies the chunks of a checkpoint written by two ranks
+        entry[start : start + 32].copy_(saved[start : start + 32])
+    assert torch.equal(model[0].weight.rowwise.data.view(torch.uint8), saved.rowwise.data.view(torch.uint8))
+    assert torch.equal(model[0].weight.rowwise.scale_inv, saved.rowwise.scale_inv)
+    assert torch.equal(model[0].weight.dequantize(), saved.dequantize())
+    other = qtensor.Float8Quantizer().quantize(torch.randn(64, 48))
+    with pytest.raises(ValueError, match="row slice"):
+        model[0].weight.detach()[:32].copy_(other[:32])

@@ -1,5 +1,5 @@
 """The same numerics on a CUDA GPU: every format quantizes bit for bit as on the CPU (which the oracle
-tests pin to DESIGN.md §2), and a quantized nn.Linear on the GPU matches the oracle reference.
+tests pin to docs/numerics.md), and a quantized nn.Linear on the GPU matches the oracle reference.
 
 Skipped without a GPU; run on the device machine (see benchmarks/README.md).
 """

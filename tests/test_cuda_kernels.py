@@ -118,7 +118,7 @@ FP8_ACCUMULATION = 2.0**-9
 
 
 # fp32 accumulation in any order: k roundings of at most 2**-24 relative each, bounded as in
-# DESIGN.md's accumulation-order tolerance.
+# the accumulation-order tolerance of docs/design.md, The three GEMMs.
 FP32_ACCUMULATION = 1e-5
 
 

@@ -1,4 +1,4 @@
-"""Float8 (per-tensor scale) numerics, bit-exact against the numpy oracle (DESIGN.md §2)."""
+"""Float8 (per-tensor scale) numerics, bit-exact against the numpy oracle (docs/numerics.md, Float8)."""
 
 import numpy as np
 import pytest
@@ -88,7 +88,7 @@ def test_delayed_scaling_follows_the_amax_history(inputs, fp8, algo, history_len
 
 
 def test_delayed_scaling_first_cast_uses_unit_scale_even_with_amax_epsilon():
-    # DESIGN.md §2: scale is 1 while the history is empty; amax_epsilon only floors a history amax
+    # docs/numerics.md, Float8: scale is 1 while the history is empty; amax_epsilon only floors a history amax
     quantizer = qtensor.Float8Quantizer(scaling="delayed", amax_epsilon=4.0)
     q = quantizer.quantize(torch.tensor([[1.5, -3.0]]))
     oracle.assert_same_bits(q.rowwise.scale_inv, np.float32(1), "first cast scale_inv")

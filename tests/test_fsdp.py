@@ -93,9 +93,49 @@ def test_all_gathers_carry_low_precision_bytes_of_one_direction(distributed, rec
     assert any(g["packed"] for g in gathers), "the 63-row head should shard unevenly"
 
 
+def test_when_fsdp2_cannot_say_whether_it_regathers_the_forward_gather_brings_both_directions(distributed):
+    """Pins the fallback of fsdp.regathers_before_backward: unknown is taken as "no re-gather"."""
+    result = distributed["unknown_regather"]
+    assert result["all_gathers"] and all(g["directions"] == ["rowwise", "columnwise"] for g in result["all_gathers"])
+    expected = fsdp_cases.train(fsdp_cases.build("mxfp8", "dynamic"), "dynamic")
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-6, atol=0)
+
+
 def test_a_shard_that_cuts_a_block_raises_naming_the_parameter(distributed):
     message = distributed["block_error"]
     assert message is not None and "0.weight" in message and "32-row blocks" in message and "48" in message
+
+
+def test_a_shard_that_cuts_a_block_of_a_quantized_weight_raises_naming_the_parameter(distributed):
+    message = distributed[("block_error", "quantized")]
+    assert message is not None, "sharding a 96-row MXFP8 weight into 48-row shards did not raise"
+    assert "proj.weight" in message and "32" in message, message
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", fsdp_cases.RECIPES)
+def test_evaluation_forwards_between_sharded_training_steps_change_nothing(distributed, recipe, weights):
+    """Against the same loop in one process (evaluation forwards included): float8_delayed is the
+    case where an evaluation forward could record into the histories on the ranks."""
+    sharded = distributed[("evaluating", recipe, weights)]
+    single = fsdp_cases.train(fsdp_cases.build(recipe, weights), weights, evaluate_between_steps=True)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_ranks_with_different_batches_hold_the_same_delayed_scaling_histories(distributed, weights):
+    ranks = distributed[("own_batches", weights)]
+    first, *others = ranks
+    assert first["histories"], "no quantized layer was found on the sharded model"
+    assert {role for _, role in first["histories"]} == {"input", "weight", "grad_output"}
+    recorded = [key for key, history in first["histories"].items() if any(a != -1.0 for a in history)]
+    assert len(recorded) == len(first["histories"]), "a history recorded nothing: the comparison would prove nothing"
+    for rank, other in enumerate(others, start=1):
+        assert other["histories"].keys() == first["histories"].keys()
+        for key, history in first["histories"].items():
+            assert other["histories"][key] == history, (rank, key)
+        assert torch.equal(other["logits"], first["logits"]), rank
 
 
 @pytest.mark.parametrize("recipe, weights", [("float8_current", "quantized"), ("hybrid", "dynamic")])
@@ -163,7 +203,7 @@ def test_the_readme_fsdp_example_runs_under_torchrun(tmp_path):
     readme = open(os.path.join(os.path.dirname(HERE), "README.md")).read()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "fully_shard" in b]
     script = tmp_path / "train.py"
-    # os._exit (DESIGN.md §4) skips Python's flush: flush what the example printed first.
+    # os._exit (docs/design.md, FSDP2) skips Python's flush: flush what the example printed first.
     script.write_text(block + "\n    dist.destroy_process_group()\n    import sys\n    sys.stdout.flush()\n    os._exit(0)\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)]

@@ -1,4 +1,4 @@
-"""Identity and hybrid quantization numerics against the numpy oracle (DESIGN.md §2)."""
+"""Identity and hybrid quantization numerics against the numpy oracle (docs/numerics.md, Identity and Hybrid)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""A quantized nn.Linear runs fprop, dgrad and wgrad on the operands DESIGN.md §1 names.
+"""A quantized nn.Linear runs fprop, dgrad and wgrad on the operands docs/design.md, The three GEMMs, names.
 
 The reference dequantizes each operand with the independent numpy oracle (tests/oracle.py) and
 multiplies in float64; the library's emulated GEMM multiplies in fp32, so results must agree to

@@ -1,4 +1,4 @@
-"""MXFP8 (32-element blocks, E8M0 scales) numerics, bit-exact against the numpy oracle (DESIGN.md §2)."""
+"""MXFP8 (32-element blocks, E8M0 scales) numerics, bit-exact against the numpy oracle (docs/numerics.md, MXFP8)."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
 """NVFP4 (16-element E2M1 blocks, E4M3 block scales, fp32 tensor scale) numerics against the numpy
-oracle (DESIGN.md §2): bit-exact for round-to-nearest-even, 2-D blocks and the RHT codes;
+oracle (docs/numerics.md, NVFP4): bit-exact for round-to-nearest-even, 2-D blocks and the RHT codes;
 distributional for stochastic rounding."""
 
 import ml_dtypes
@@ -83,7 +83,7 @@ def order_sensitive_block_amaxes(global_amax, count=48):
 
 
 def test_block_scale_follows_the_spec_operation_order():
-    # DESIGN.md §2: s = e4m3(block_amax * (S_enc * (1/6))), each step an fp32 product
+    # docs/numerics.md, NVFP4: s = e4m3(block_amax * (S_enc * (1/6))), each step an fp32 product
     global_amax = np.float32(51.67034149169922)
     amaxes = order_sensitive_block_amaxes(global_amax)
     assert len(amaxes) >= 16

@@ -1,4 +1,4 @@
-"""MasterWeights: high-precision masters for quantized parameters (API.md "Master weights")."""
+"""MasterWeights: high-precision masters for quantized parameters (docs/recipes.md, Weight modes)."""
 
 import copy
 

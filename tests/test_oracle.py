@@ -1,4 +1,4 @@
-"""The oracle against values computed by hand from DESIGN.md §2 (no library involved)."""
+"""The oracle against values computed by hand from docs/numerics.md (no library involved)."""
 
 import ml_dtypes
 import numpy as np

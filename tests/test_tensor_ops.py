@@ -1,4 +1,4 @@
-"""Dispatch behaviour of every quantized tensor type (DESIGN.md §3, API.md "Quantized tensors").
+"""Dispatch behaviour of every quantized tensor type (docs/design.md, Dispatch).
 
 Values are checked against the dequantized whole (the op must not change what is stored) or
 against a fresh quantization of the same input (what `copy_` and `zero_` promise).

@@ -1,6 +1,4 @@
-"""Float8 with one fp32 scale per tensor: current or delayed scaling (DESIGN.md §2 "Float8")."""
-
-import contextlib
+"""Float8 with one fp32 scale per tensor: current or delayed scaling (docs/numerics.md, Float8)."""
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -18,9 +16,10 @@ from ..numerics import (
     scale_from_amax,
     to_fp8,
 )
+from .. import running_state
 from ..kernels import lookup
 from ..quantizer import Quantizer
-from ..storage import Buffer, Storage, TensorScale
+from ..storage import Buffer, FP8TensorwiseOperand, Storage, TensorScale
 from ..tensor import QuantizedTensor
 
 
@@ -35,47 +34,8 @@ def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.
     return data.float() * scale_inv
 
 
-_replaying = False
-
 # An amax history entry that no cast has filled yet (an amax is never negative).
 UNRECORDED = -1.0
-
-
-@contextlib.contextmanager
-def replaying_delayed_scales():
-    """Inside, each delayed-scaling quantizer reuses the scale of its most recent cast and records
-    nothing: activation recomputation must repeat the original forward, not take a new step."""
-    global _replaying
-    previous, _replaying = _replaying, True
-    try:
-        yield
-    finally:
-        _replaying = previous
-
-
-# While a compiled training forward is traced: the amax records its backward writes (linear.py).
-_deferred: list = [None]
-
-
-@contextlib.contextmanager
-def deferring_amax_records():
-    """Inside, delayed-scaling casts leave their amax history as it is and note the amax they would
-    record; `write_amax_records` writes the notes later, in order. A compiled training step traces
-    its forward this way and writes the forward's records in its backward (why: linear.py)."""
-    previous, _deferred[0] = _deferred[0], []
-    try:
-        yield _deferred[0]
-    finally:
-        _deferred[0] = previous
-
-
-def write_amax_records(records: list) -> None:
-    for quantizer, amax in records:
-        quantizer._write_amax(amax)
-
-
-def _tracing(x: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() or is_fake(x)
 
 
 class Float8Storage(Storage):
@@ -109,6 +69,10 @@ class Float8Storage(Storage):
     def bf16_operand(self):
         # The codes themselves (E4M3 and E5M2 are exact in bf16), the tensor scale applied to the result.
         return self.data.to(torch.bfloat16), TensorScale(self.scale_inv)
+
+    def fp8_tensorwise_operand(self):
+        # Either direction's codes have the reduction dimension last (columnwise: the transpose).
+        return FP8TensorwiseOperand(self.data, self.scale_inv)
 
     def to_direction(self, direction: str) -> "Float8Storage":
         if direction == self.direction:
@@ -161,23 +125,19 @@ class Float8Quantizer(Quantizer):
         self.margin = margin
         # Delayed scaling's running state: the amaxes of the last `amax_history_len` casts, oldest
         # first, in a fixed-size fp32 buffer updated in place; -1 marks an entry no cast has filled
-        # yet (an amax is never negative). `last_scale` is the scale of the most recent recorded
-        # cast, replayed by activation recomputation.
+        # yet (an amax is never negative). When a cast records is running_state.py's rule.
         self.amax_history = torch.full((amax_history_len,), UNRECORDED) if scaling == "delayed" else None
-        self.last_scale = None
 
     def compute_scale(self, x: torch.Tensor) -> torch.Tensor:
-        """The fp32 scale this quantizer would use for `x` now (DESIGN.md §2)."""
+        """The fp32 scale this quantizer would use for `x` now (docs/numerics.md, Float8)."""
         if self.scaling == "current":
             amax = torch.clamp_min(tensor_amax(x), self.amax_epsilon)
             return self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype)))
-        if _replaying and self.last_scale is not None:
-            return self.last_scale.to(x.device)
         history = self._history_on(x.device)
         window_amax = history.max() if self.amax_compute_algo == "max" else history[-1]
         amax = torch.clamp_min(window_amax, self.amax_epsilon)
         scale = self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin))
-        # DESIGN.md §2: scale 1 until a cast has been recorded (chosen on the device: no host sync).
+        # docs/numerics.md, Float8: scale 1 until a cast has been recorded (chosen on the device: no host sync).
         return torch.where(window_amax >= 0, scale, 1.0)
 
     def _finish(self, scale: torch.Tensor) -> torch.Tensor:
@@ -209,8 +169,8 @@ class Float8Quantizer(Quantizer):
         else:
             scale = self.compute_scale(x)
             scale_inv = torch.reciprocal(scale)  # 1/scale, correctly rounded
-            if update_state and self.scaling == "delayed" and not _replaying:
-                self._record(tensor_amax(x), scale, x)
+            if update_state and self.scaling == "delayed":
+                running_state.record(self, tensor_amax(x))
             row_data = quantize_per_tensor(x.float(), scale, self.fp8_dtype)
             col_data = row_data.t().contiguous() if columnwise else None
         storage = lambda direction, data: Float8Storage(
@@ -228,29 +188,17 @@ class Float8Quantizer(Quantizer):
             amax = tensor_amax(x) if sharded_quantization() else lookup("float8.amax_partials", x)(x)
             row, col, scale_inv, _ = cast(x, self.fp8_dtype, rowwise, columnwise, amax=amax, **options)
             return row, col, scale_inv
-        record = update_state and not _replaying
-        if _replaying and self.last_scale is not None:
-            scale = self.last_scale.to(x.device)
-        else:
-            most_recent = self.amax_compute_algo == "most_recent"
-            scale = lookup("float8.delayed_scale", x)(
-                self._history_on(x.device), self.fp8_dtype, margin=self.margin, most_recent=most_recent, **options
-            )
-        row, col, scale_inv, partials = cast(x, self.fp8_dtype, rowwise, columnwise, scale=scale, amax_out=record)
-        if record:
-            self._record(reduce_amax(partials.max()) if sharded_quantization() else partials, scale, x)
+        most_recent = self.amax_compute_algo == "most_recent"
+        scale = lookup("float8.delayed_scale", x)(
+            self._history_on(x.device), self.fp8_dtype, margin=self.margin, most_recent=most_recent, **options
+        )
+        row, col, scale_inv, partials = cast(x, self.fp8_dtype, rowwise, columnwise, scale=scale, amax_out=update_state)
+        if update_state:
+            running_state.record(self, reduce_amax(partials.max()) if sharded_quantization() else partials)
         return row, col, scale_inv
 
-    def _record(self, amax: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
-        """Record one cast's amax (0-d, or the partial amaxes whose max it is) and its scale."""
-        if not _tracing(x):
-            self.last_scale = scale  # for activation recomputation; a traced tensor is never kept
-        if _deferred[0] is not None:
-            _deferred[0].append((self, amax))
-        else:
-            self._write_amax(amax)
-
-    def _write_amax(self, amax: torch.Tensor) -> None:
+    def write_amax(self, amax: torch.Tensor) -> None:
+        """Append one cast's amax (0-d, or the partial amaxes whose max it is) to the history."""
         kernel = lookup("float8.record_amax", amax)
         if kernel is not None:
             kernel(self._history_on(amax.device), amax.reshape(-1))

@@ -1,4 +1,4 @@
-"""Hybrid: a rowwise copy in one format and a columnwise copy in another (DESIGN.md §2 "Hybrid")."""
+"""Hybrid: a rowwise copy in one format and a columnwise copy in another (docs/numerics.md, Hybrid)."""
 
 from ..kernels import lookup
 from ..numerics import cast_saturating, check_choice

@@ -1,4 +1,4 @@
-"""Identity: keeps the high-precision values, one buffer serving both directions (DESIGN.md §2)."""
+"""Identity: keeps the high-precision values, one buffer serving both directions (docs/numerics.md, Identity)."""
 
 import torch
 

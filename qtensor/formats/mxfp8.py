@@ -1,4 +1,4 @@
-"""MXFP8: blocks of 32 elements share a power-of-two E8M0 scale (DESIGN.md §2 "MXFP8")."""
+"""MXFP8: blocks of 32 elements share a power-of-two E8M0 scale (docs/numerics.md, MXFP8)."""
 
 import torch
 
@@ -17,7 +17,7 @@ from ..numerics import (
 )
 from ..kernels import lookup
 from ..quantizer import Quantizer
-from ..storage import Buffer, Storage
+from ..storage import BlockScaledOperand, Buffer, Storage
 from ..tensor import QuantizedTensor
 
 BLOCK_SIZE = 32
@@ -113,6 +113,14 @@ class MXFP8Storage(Storage):
         values = self.dequantize_as(torch.bfloat16)
         return (values if self.direction == "rowwise" else values.t()), None
 
+    def block_scaled_operand(self):
+        # Both directions keep the [rows, cols] element order: the columnwise copy is transposed so
+        # that its blocks run along the reduction dimension, which the GEMM reads contiguously.
+        data, codes = self.data, self.scale_inv
+        if self.direction == "columnwise":
+            data, codes = data.t().contiguous(), codes.t().contiguous()
+        return BlockScaledOperand(data, codes.view(torch.float8_e8m0fnu), BLOCK_SIZE, data.shape[1])
+
 
 class MXFP8Tensor(QuantizedTensor):
     """A tensor stored as FP8 codes with one E8M0 scale per 32-element block."""
@@ -135,7 +143,7 @@ class MXFP8Quantizer(Quantizer):
         return MXFP8Storage(direction=direction, rows=shape[0], cols=shape[1], fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv)
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
-        # DESIGN.md §2: both directions come from the high-precision input, never one from the other.
+        # docs/numerics.md, MXFP8: both directions come from the high-precision input, never one from the other.
         kernel = lookup("mxfp8.cast", x)
         if kernel is not None:  # both directions from one read of each tile
             row, col = kernel(x, self.fp8_dtype, self.scale_rounding, rowwise, columnwise)

@@ -1,5 +1,5 @@
 """NVFP4: E2M1 elements, an E4M3 scale per 16-element block and an fp32 tensor scale
-(DESIGN.md §2 "NVFP4"), with optional 16x16 tiles, random Hadamard transform and stochastic rounding."""
+(docs/numerics.md, NVFP4), with optional 16x16 tiles, random Hadamard transform and stochastic rounding."""
 
 import torch
 
@@ -17,7 +17,7 @@ from ..numerics import (
 )
 from ..kernels import lookup
 from ..quantizer import Quantizer
-from ..storage import Buffer, Storage, TensorScale
+from ..storage import BlockScaledOperand, Buffer, Storage, TensorScale
 from ..tensor import QuantizedTensor
 
 BLOCK_SIZE = 16
@@ -148,7 +148,7 @@ def quantize_row_blocks(x, s_enc, amax_per_block, keys=None):
 
     Returns (packed E2M1 bytes [R, ceil(C/2)], E4M3 block scales [R, ceil(C/16)]).
     """
-    # A block holding NaN or Inf gets the NaN scale (DESIGN.md §2), so it dequantizes to NaN.
+    # A block holding NaN or Inf gets the NaN scale (docs/numerics.md), so it dequantizes to NaN.
     wanted = torch.where(torch.isfinite(amax_per_block), amax_per_block * (s_enc * fp32(1.0 / 6.0, x.device)), float("nan"))
     block_scale = to_fp8_saturating(wanted, torch.float8_e4m3fn)
     decode = block_scale.float() * (fp32(1.0, x.device) / s_enc)
@@ -223,19 +223,24 @@ class NVFP4Storage(Storage):
             )
         # With the transform, the bytes cover the rows zero-padded to whole runs of 16.
         pad = BLOCK_SIZE if rht else 1
-        stored_rows = ceil_div(rows, pad) * pad
+        length = cls.stored_length_for(direction, rows, cols, rht)
         return (
-            Buffer("data", torch.uint8, (cols, ceil_div(stored_rows, 2)), row_axis=1, rows_per_entry=2, rows_padded_to=pad),
+            Buffer("data", torch.uint8, (cols, ceil_div(length, 2)), row_axis=1, rows_per_entry=2, rows_padded_to=pad),
             Buffer("scale_inv", torch.float8_e4m3fn, (cols, ceil_div(rows, BLOCK_SIZE)), row_axis=1, rows_per_entry=BLOCK_SIZE),
             amax,
         )
 
+    @staticmethod
+    def stored_length_for(direction, rows, cols, rht) -> int:
+        """Elements per row of the stored matrix of a `[rows, cols]` view: cols (rowwise), rows, or
+        with `rht` rows zero-padded to whole runs of 16, the transform's (columnwise)."""
+        if direction == "rowwise":
+            return cols
+        return ceil_div(rows, BLOCK_SIZE) * BLOCK_SIZE if rht else rows
+
     def stored_length(self) -> int:
-        """Elements per row of the stored matrix: cols (rowwise), rows, or rows padded to whole runs
-        of 16 (columnwise with `rht`)."""
-        if self.direction == "rowwise":
-            return self.cols
-        return 2 * self.data.shape[1] if self.rht else self.rows
+        """Elements per row of the stored matrix (`stored_length_for`)."""
+        return self.stored_length_for(self.direction, self.rows, self.cols, self.rht)
 
     def dequantize(self) -> torch.Tensor:
         length = self.stored_length()
@@ -254,7 +259,7 @@ class NVFP4Storage(Storage):
         # q * float(s): an E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
         # [2**-10, 2688], exact in bf16; the fp32 tensor scale 1/S_enc is not, so the GEMM's fp32
         # result takes it. A columnwise copy with `rht` stays in the transformed domain: the other
-        # operand must be transformed too (DESIGN.md §2: wgrad applies it to both, so it cancels).
+        # operand must be transformed too (docs/numerics.md, NVFP4: wgrad applies it to both, so it cancels).
         length = self.stored_length()
         kernel = lookup("nvfp4.dequantize", self.data)
         if kernel is not None:
@@ -262,11 +267,24 @@ class NVFP4Storage(Storage):
         else:
             q = e2m1_values(unpack_nibbles(self.data, length))
             values = (q * expand_blocks(self.scale_inv.float(), BLOCK_SIZE, length)).to(torch.bfloat16)
-        return values, TensorScale(self.global_amax, amax_max=448.0 * E2M1_MAX)
+        return values, self.tensor_scale()
 
-    def tensor_scale_inv(self) -> torch.Tensor:
-        """1/S_enc (0-d fp32), the factor the dequantized value takes after q * float(s)."""
-        return fp32(1.0, self.data.device) / encode_scale(self.global_amax)
+    def block_scaled_operand(self):
+        # The packed codes and E4M3 scales as stored; 1/S_enc multiplies the GEMM's fp32 result, as
+        # on the bf16 path. A copy in the Hadamard domain has no such form: it stays on the bf16 path.
+        if self.reduction_transform() is not None:
+            return None
+        return BlockScaledOperand(self.data.view(torch.float4_e2m1fn_x2), self.scale_inv, BLOCK_SIZE, self.stored_length(), self.tensor_scale())
+
+    def reduction_transform(self):
+        # With `rht` the columnwise copy holds the transformed runs of 16 down the tensor's rows,
+        # which its GEMM (wgrad) reduces over.
+        return "rht" if self.direction == "columnwise" and self.rht else None
+
+    def tensor_scale(self) -> TensorScale:
+        """1/S_enc from the global amax: the factor a value takes after q * float(s)."""
+        return TensorScale(self.global_amax, amax_max=448.0 * E2M1_MAX)
+
 
 class NVFP4Tensor(QuantizedTensor):
     """A tensor stored as packed E2M1 codes with E4M3 block scales and an fp32 tensor scale."""

@@ -1,0 +1,304 @@
+"""DynamicWeight: a layer weight that keeps its high-precision values and is quantized at use
+(`weights="dynamic"`); any torch optimizer trains it as a plain parameter."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from . import fsdp, layer_state, running_state
+from .layer import LinearQuantizers
+from .numerics import ceil_div, reduce_amax_over
+from .tensor import QuantizedTensor
+from .weight import GatheredCast, LayerWeight, quantized_weight, refuse_split_off_dim0
+
+
+class DynamicWeight(LayerWeight, torch.Tensor):
+    """A high-precision weight that quantizes itself with its layer's weight quantizer each time
+    F.linear uses it, so new values are always picked up; any optimizer trains it.
+
+    A `__torch_dispatch__` wrapper over the plain tensor `_data`: every op computes on `_data`, and
+    the ops that make a new piece of the same weight (FSDP2's chunk / new_zeros / narrow / view,
+    nn.Module's to / empty_like, detach, clone, ...) give back a DynamicWeight with the same
+    quantizers, so a shard never silently loses them. In-place ops (optimizer steps, copy_, init)
+    write into `_data`. Everything else returns plain tensors.
+
+    The quantized copy is cached (`quantized()`): gradient accumulation over several micro-batches
+    quantizes the weight once per optimizer step, and any write into the values (through this
+    tensor, an alias of it, or its inner tensor) invalidates the copy before it could be read.
+    """
+
+    linear_quantizers: LinearQuantizers
+    _data: torch.Tensor
+    _writes: "_WriteLog"
+
+    @staticmethod
+    def __new__(
+        cls, data: torch.Tensor, linear_quantizers: LinearQuantizers, requires_grad: bool | None = None, *, writes=None
+    ):
+        requires_grad = data.requires_grad if requires_grad is None else requires_grad
+        data = data.detach()
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            layout=data.layout,
+            requires_grad=requires_grad,
+        )
+        self._data = data
+        self.linear_quantizers = linear_quantizers
+        self._writes = writes if writes is not None else _WriteLog()
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    quantized_at_use = True
+
+    @property
+    def stored_transposed(self) -> bool:
+        return self.linear_quantizers.transposed
+
+    def plain(self) -> torch.Tensor:
+        """The high-precision values as a plain tensor (an alias)."""
+        return self._data
+
+    def high_precision_matrix(self) -> torch.Tensor:
+        """The values as the [out_features, in_features] matrix the GEMMs read."""
+        return self._data.t() if self.linear_quantizers.transposed else self._data
+
+    def linear_operand(self, *, columnwise: bool, training: bool):
+        """The values quantized for this call (see `quantized`), the amax notes of the cast, and
+        the version of the values it was cast from (None under torch.compile: record every cast)."""
+        if self.linear_quantizers.weight is None:
+            return self.high_precision_matrix(), [], None
+        with running_state.noting() as notes:
+            quantized = self.quantized(columnwise=columnwise, cached=training)
+        traced = torch.compiler.is_compiling() or is_fake(self._data)
+        return quantized, notes, None if traced else (id(self._writes), self.values_version())
+
+    def values_version(self) -> tuple:
+        """Changes whenever the values may have changed: writes through this tensor or its aliases
+        (counted in __torch_dispatch__, where torch's version counters do not move), writes into
+        the inner tensor from outside (its version counter), and writes into plain views of this
+        tensor such as `w.detach()[5]` (autograd makes them share this tensor's version counter)."""
+        return self._writes.count, self._data._version, self._version
+
+    def quantized(self, *, columnwise: bool, cached: bool = True) -> QuantizedTensor:
+        """The values quantized with the layer's weight quantizer (rowwise, plus columnwise when
+        asked), from the cache while the values and the quantizer's running state are unchanged:
+        the micro-batches of one optimizer step share the cast of the second (the first cast is
+        not kept, so a step without gradient accumulation holds no weight cast past its backward).
+        `cached=False` casts afresh and leaves the cache alone (the linear passes it for inference
+        forwards, which cast as a model restored from a checkpoint would)."""
+        linear = self.linear_quantizers
+        quantizer = linear.weight
+        values = self._data.t() if linear.transposed else self._data
+        uncached = not cached or torch.compiler.is_compiling() or is_fake(self._data)
+        if uncached or self._data.is_meta or self._data.is_inference():
+            return quantizer.quantize(values, rowwise=True, columnwise=columnwise)
+        # Aliases share one log: pieces of one weight (cross-attention's q, k, v rows of a packed
+        # in_proj_weight) are told apart by where their values lie.
+        piece = (self._data.data_ptr(), tuple(self._data.shape), self._data.stride(), linear.transposed)
+        seen = self._writes.quantized.get(piece)
+        version = (self.values_version(), quantizer.state_version())
+        if seen is not None and seen[0] == version and seen[1] is quantizer and seen[2] is not None and (seen[2].has_columnwise or not columnwise):
+            return seen[2]
+        quantized = quantizer.quantize(values, rowwise=True, columnwise=columnwise)
+        if torch._C._current_graph_task_id() != -1:
+            return quantized  # activation recomputation repeats a forward: it is not another micro-batch
+        # The first cast of these values is only noted: kept, it would stay allocated through the
+        # backward and the optimizer step, where a step without gradient accumulation never reads
+        # it again. A second forward over the same values shows micro-batches: that cast is kept.
+        # Keyed on the quantizer's running state too: a history written since (the first
+        # micro-batch's record, a load) makes the next use cast again, and keeps that cast.
+        second = seen is not None and seen[0][0] == version[0] and seen[1] is quantizer
+        self._writes.quantized[piece] = (version, quantizer, quantized if second else None)
+        return quantized
+
+    # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap), with the
+    # layer's running state among the inner tensors (layer_state.py).
+    def __tensor_flatten__(self):
+        return ["_data", *layer_state.inner_names(self, self._data)], self.linear_quantizers
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, linear_quantizers, outer_size, outer_stride):
+        weight = DynamicWeight(inner_tensors["_data"], linear_quantizers)
+        layer_state.bind(weight, inner_tensors)
+        return weight
+
+    def __reduce_ex__(self, protocol):
+        if self.__dict__.get("_is_param"):
+            # A parameter of a pickled module: keep it a DynamicWeight parameter.
+            return _rebuild_dynamic_parameter, (self._data, self.requires_grad, self.linear_quantizers)
+        # state_dict entries pickle as plain tensors: loadable with weights_only=True, and
+        # load_state_dict copies them into the weight.
+        return self._data.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
+        # The copy starts with its own write log and no cached quantized copies.
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "_shard_cache")}
+        duplicate.__dict__.update(copy.deepcopy(state, memo))
+        return duplicate
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"DynamicWeight({self._data!r}, linear_quantizers={self.linear_quantizers.describe()})"
+
+    # ---- FSDP2: quantize the local shard, gather its low-precision bytes (fsdp.py) -------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        self._note_fsdp(mesh, module)
+        linear = self.linear_quantizers
+        values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
+        # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along
+        # in_features, across the rows of what the GEMM reads, so it gathers its high-precision
+        # values and is quantized at use, as on one process.
+        if linear.weight is None or linear.transposed:
+            padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
+            padded[: values.shape[0]].copy_(values)
+            fsdp.count_gather((padded,), mesh, outer_size)
+            return (padded,), (None, outer_size, None)
+        quantized = self._quantized_shard(values, mesh)
+        needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))
+        inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, linear.parameter_name)
+        return inputs, (plan, outer_size, quantized)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        plan, outer_size, quantized = metadata
+        if plan is None:
+            (gathered,) = all_gather_outputs
+            values = gathered[: outer_size[0]].reshape(outer_size).to(param_dtype)
+            if out is not None:
+                with torch.autograd._unsafe_preserve_version_counter(out._data):  # as fsdp._write_into
+                    out._data.copy_(values)
+                return None
+            unsharded = DynamicWeight(values.clone(), self.linear_quantizers)
+            return unsharded, (unsharded._data,)
+        result = fsdp.post_all_gather(quantized, all_gather_outputs, plan, outer_size, param_dtype, out=out)
+        # The gathered weight carries its shard's cast notes: the first training step that uses
+        # this version of the values records its amax (linear.py), an evaluation forward does not.
+        target = out if out is not None else result[0]
+        cast = target.__dict__.setdefault("gathered_cast", GatheredCast())
+        cast.notes, cast.version = quantized.shard_notes
+        return result
+
+    def _quantized_shard(self, values: torch.Tensor, mesh) -> QuantizedTensor:
+        """The local shard quantized in both directions, once per version of the weight and of its
+        quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
+        process quantizes once), with tensor-wide amaxes reduced over the mesh so that every shard
+        shares one scale. Its amax notes travel with it, not written here."""
+        quantizer = self.linear_quantizers.weight
+        key = (self.values_version(), values.dtype, quantizer.state_version())
+        cached = self.__dict__.get("_shard_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        with running_state.noting() as notes, reduce_amax_over(mesh.get_group()), torch.autocast(values.device.type, enabled=False):
+            cast = quantizer.quantize(values, rowwise=True, columnwise=True)
+        quantized = quantized_weight(cast, self.linear_quantizers)
+        quantized.shard_notes = (notes, (id(self._writes), key[0]))
+        self._shard_cache = (key, quantized)
+        return quantized
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], DynamicWeight):
+            refuse_split_off_dim0(args[0], func, args, kwargs)
+        if func is aten.copy_.default and isinstance(args[1], DynamicWeight) and layer_state.has_bound_state(args[1]):
+            return _write_back(*args[:2])
+        weights = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DynamicWeight)]
+        plain_args, plain_kwargs = tree_map_only(DynamicWeight, lambda t: t._data, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        _count_writes(func, args, kwargs)
+        if func in _DYNAMIC_WEIGHT_PIECES and _keeps_float(func, out):
+            source = weights[0]
+            # An alias shares the write log (a write through it changes the source's values).
+            writes = source._writes if func in _ALIASES else None
+            return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, source.linear_quantizers, writes=writes), out)
+        # An in-place op hands back the tensor it wrote into: the wrapper, not its inner tensor.
+        if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
+            return args[0]
+        return out
+
+
+def _write_back(target: DynamicWeight, source: DynamicWeight) -> DynamicWeight:
+    """`target.copy_(source)` from a traced weight: how the compiled step writes the layer state it
+    updated back into the weight it was given, with the values where they are another tensor."""
+    layer_state.copy_state(target, source)
+    if not layer_state.same_values(source._data, target._data):
+        target._data.copy_(source._data)
+        target._writes.record_write()
+    return target
+
+
+class _WriteLog:
+    """Shared by a DynamicWeight and its aliases: how many in-place writes went through any of them,
+    and the last cast of the values with the quantized copy kept from the second cast on (dropped at
+    the first write, so it never outlives them)."""
+
+    __slots__ = ("count", "quantized")
+
+    def __init__(self):
+        self.count = 0
+        self.quantized: dict[tuple, tuple] = {}  # piece → (values version, quantizer, quantized tensor or None)
+
+    def record_write(self) -> None:
+        self.count += 1
+        self.quantized = {}
+
+
+def _count_writes(func, args, kwargs) -> None:
+    """Count in-place writes into each DynamicWeight (optimizer steps, copy_, init): its cached
+    quantized copies are stale once it changes. The inner tensor's own version counter does not
+    move for writes made from inside __torch_dispatch__, so the wrapper keeps its own count."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+        for tensor in tree_flatten(value)[0]:
+            if isinstance(tensor, DynamicWeight):
+                tensor._writes.record_write()
+
+
+def _keeps_float(func, out) -> bool:
+    """A piece in a non-float dtype (`.to(torch.int8)`) is a plain tensor, not a weight."""
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return all(t.dtype.is_floating_point for t in leaves)
+
+
+aten = torch.ops.aten
+# Ops whose result aliases (a piece of) the same weight's values: FSDP2 sends chunk/split,
+# slice/narrow, view and as_strided; nn.Module sends detach.
+_ALIASES = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+}
+# Ops whose result is (a piece of) the same weight: the aliases, and new tensors of it (FSDP2's
+# new_zeros, nn.Module's _to_copy, empty_like (to_empty) and clone).
+_DYNAMIC_WEIGHT_PIECES = _ALIASES | {
+    aten.clone.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.empty_like.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+}
+
+
+def _rebuild_dynamic_parameter(data: torch.Tensor, requires_grad: bool, linear_quantizers: LinearQuantizers):
+    return torch.nn.Parameter(DynamicWeight(data, linear_quantizers), requires_grad=requires_grad)

@@ -1,0 +1,113 @@
+"""A linear layer's configuration: its quantizers by tensor role, its backward override, its name,
+and the little running bookkeeping delayed scaling needs (which process group reduces its amaxes,
+which version of its weight was recorded last)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .quantizer import Quantizer
+
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+class LayerRunning:
+    """Mutable bookkeeping of one layer, outside its configuration's value (compiled code guards on
+    the configuration, never on this).
+
+    - `amax_group`: the process group whose ranks reduce this layer's delayed-scaling amaxes before
+      they are recorded (`quantize_(..., amax_reduction_group=)`); None: the FSDP2 mesh's group,
+      which the weight's FSDP2 hook notes in `mesh_group`, or no reduction in one process.
+    - `recorded_weight`: the version of the weight's values whose amax was last recorded, so a
+      weight's amax is recorded once per version of its values (docs/running-state.md).
+    - `root`: a weak reference to the model `quantize_` was given, and `fsdp_group` the FSDP2
+      parameter group found under it that holds this layer (fsdp.py, regathers_before_backward).
+    """
+
+    __slots__ = ("amax_group", "mesh_group", "recorded_weight", "root", "fsdp_group")
+
+    def __init__(self, amax_group=None, root=None):
+        self.amax_group = amax_group
+        self.mesh_group = None
+        self.recorded_weight = None
+        self.root = root
+        self.fsdp_group = None
+
+    def group(self):
+        return self.amax_group if self.amax_group is not None else self.mesh_group
+
+    def __deepcopy__(self, memo):
+        # A copied model is a new layer: same reduction group (groups are not copied), nothing recorded.
+        return LayerRunning(self.amax_group)  # the copy finds its own root and FSDP2 group
+
+    def __reduce__(self):
+        return LayerRunning, ()
+
+
+@dataclass(frozen=True)
+class LinearQuantizers:
+    """The quantizers of one linear layer, by tensor role; None keeps that tensor in high precision.
+    Compares and hashes by value (torch.compile guards on the one a weight carries)."""
+
+    input: Quantizer | None
+    weight: Quantizer | None
+    grad_output: Quantizer | None
+    backward_override: str | None = None
+    name: str = ""
+    # The parameter's qualified name where it is not `<name>.weight` (nn.MultiheadAttention's
+    # `<name>.in_proj_weight`), for messages.
+    parameter: str = ""
+    # A Hugging Face Conv1D: its module computes `torch.addmm(bias, x, weight)` with the weight kept
+    # as [in_features, out_features]. A dynamic weight keeps that layout; a quantized one is held
+    # as [out_features, in_features], the layout every GEMM of the layer reads.
+    transposed: bool = False
+    running: LayerRunning = field(default_factory=LayerRunning, compare=False, hash=False, repr=False)
+
+    @property
+    def parameter_name(self) -> str:
+        return self.parameter or (f"{self.name}.weight" if self.name else "weight")
+
+    def describe(self) -> str:
+        parts = [f"{role}={q.describe() if q is not None else 'high precision'}" for role, q in self.roles().items()]
+        if self.backward_override:
+            parts.append(f"backward={self.backward_override}")
+        return ", ".join(parts)
+
+    def roles(self) -> dict[str, Quantizer | None]:
+        return {"input": self.input, "weight": self.weight, "grad_output": self.grad_output}
+
+    def state_buffers(self) -> dict[str, torch.Tensor]:
+        """The quantizers' running state by `<role>.<name>` (delayed scaling's amax histories): the
+        live tensors. The weight lists them among its inner tensors (layer_state.py)."""
+        return {
+            f"{role}.{name}": buffer
+            for role, quantizer in self.roles().items()
+            if quantizer is not None
+            for name, buffer in quantizer.state_buffers().items()
+        }
+
+    def move_state(self, device: torch.device) -> None:
+        for quantizer in self.roles().values():
+            if quantizer is not None:
+                quantizer.move_state(device)
+
+    @contextlib.contextmanager
+    def using_state(self, buffers: dict[str, torch.Tensor]):
+        """Inside, the quantizers run on `buffers` (named as `state_buffers()`) as their state."""
+        with contextlib.ExitStack() as stack:
+            for role, quantizer in self.roles().items():
+                if quantizer is not None:
+                    mine = {name.partition(".")[2]: b for name, b in buffers.items() if name.partition(".")[0] == role}
+                    stack.enter_context(quantizer.using_state(mine))
+            yield
+
+    def uses_delayed_scaling(self) -> bool:
+        """Whether any role keeps running state (a delayed-scaling history, a hybrid's child's too)."""
+        return bool(self.state_buffers())
+
+
+def carries_quantizers(tensor) -> bool:
+    return getattr(tensor, "linear_quantizers", None) is not None

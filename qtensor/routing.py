@@ -1,0 +1,137 @@
+"""Which calls mean "this layer's linear": F.linear, and the matmul / addmm forms of it, on a layer weight.
+
+Every layer weight's `__torch_function__` (weight.py) comes here: `x @ weight.t()` and
+`torch.addmm(bias, x, weight.t())` (a transposed weight remembers its layer), a Hugging Face
+Conv1D's `torch.addmm(bias, x, weight)`, and nn.MultiheadAttention's projections (attention.py) run
+the quantized linear; anything else runs with plain-tensor semantics.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .attention import multi_head_attention
+from .layer import carries_quantizers
+from .linear import quantized_linear
+
+_TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.transpose, torch.transpose}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_ADDMMS = {torch.addmm, torch.Tensor.addmm}
+
+
+def _swaps_the_two_dims(args) -> bool:
+    """t()/T/mT always do; transpose(a, b) only when a and b name different dims."""
+    if len(args) < 3:
+        return True
+    return args[1] % 2 != args[2] % 2
+
+
+def _linear_args(args, kwargs):
+    names = ("input", "weight", "bias")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound["input"], bound["weight"], bound.get("bias")
+
+
+def _multiplies_as_stored(weight) -> bool:
+    """A Conv1D's weight: its module computes `x @ weight`, meaning the layer's linear."""
+    return carries_quantizers(weight) and weight.linear_quantizers.transposed
+
+
+def intercept(func, args, kwargs):
+    """Route the calls that mean "this layer's linear" to `quantized_linear`; NotImplemented otherwise."""
+    if func is F.linear:
+        x, weight, bias = _linear_args(args, kwargs)
+        if carries_quantizers(weight):
+            return quantized_linear(x, weight, bias)
+    elif func in _TRANSPOSES:
+        weight = args[0]
+        if carries_quantizers(weight) and not _multiplies_as_stored(weight) and weight.dim() == 2 and _swaps_the_two_dims(args):
+            with torch._C.DisableTorchFunctionSubclass():
+                values = func(*args, **kwargs)
+            return TransposedWeight.of(values, weight)
+    elif func in _MATMULS:
+        if len(args) == 2 and not kwargs:
+            if isinstance(args[1], TransposedWeight):
+                return quantized_linear(args[0], args[1].weight)
+            if _multiplies_as_stored(args[1]):
+                return quantized_linear(args[0], args[1])
+    elif func is F.multi_head_attention_forward:
+        return multi_head_attention(args, kwargs)
+    elif func in _ADDMMS:
+        bias, x, weight = args[:3]
+        plain_scaling = len(args) == 3 and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+        if plain_scaling and bias.dim() == 1:
+            if isinstance(weight, TransposedWeight):
+                return quantized_linear(x, weight.weight, bias)
+            if _multiplies_as_stored(weight):  # Conv1D.forward: torch.addmm(bias, x, weight)
+                return quantized_linear(x, weight, bias)
+    return NotImplemented
+
+
+def torch_function(func, args, kwargs, otherwise=None):
+    """The __torch_function__ of every layer weight: the layer's quantized linear where `func` means
+    it, otherwise `otherwise(func, args, kwargs)` (default: `func` with plain-tensor semantics)."""
+    kwargs = kwargs or {}
+    if func is torch.autograd.grad:
+        result = _grad_through_edges(args, kwargs)
+    else:
+        result = intercept(func, args, kwargs)
+    if result is not NotImplemented:
+        return result
+    return (otherwise or plain)(func, args, kwargs)
+
+
+def plain(func, args, kwargs):
+    """`func` on plain-tensor semantics (no subclass's __torch_function__ runs again)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+_GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+def _grad_through_edges(args, kwargs):
+    """torch.autograd.grad(outputs, inputs=[..., weight]): hand the weights over as gradient edges.
+
+    Running grad from here with torch functions disabled would let activation recomputation inside
+    the backward reach plain F.linear instead of the quantized one; with edges, grad sees no
+    subclass and runs as usual."""
+    bound = _GRAD_SIGNATURE.bind(*args, **kwargs)
+    inputs = bound.arguments["inputs"]
+    if isinstance(inputs, dict):
+        return NotImplemented
+
+    def edge(tensor):
+        routed = isinstance(tensor, torch.Tensor) and torch.overrides.has_torch_function((tensor,))
+        return torch.autograd.graph.get_gradient_edge(tensor) if routed else tensor
+
+    bound.arguments["inputs"] = edge(inputs) if isinstance(inputs, torch.Tensor) else [edge(t) for t in inputs]
+    outputs = bound.arguments["outputs"]
+    if torch.overrides.has_torch_function((outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)):
+        return NotImplemented
+    return torch.autograd.grad(*bound.args, **bound.kwargs)
+
+
+
+class TransposedWeight(torch.Tensor):
+    """`weight.t()` of a quantized layer: the plain (dequantized) values, attached to autograd as
+    usual, that remember their weight so `x @ weight.t()` and `torch.addmm(b, x, weight.t())` run
+    the layer's quantized linear. Any other op sees the plain values and returns plain tensors."""
+
+    weight: torch.Tensor
+
+    @staticmethod
+    def of(values: torch.Tensor, weight: torch.Tensor) -> "TransposedWeight":
+        transposed = values.as_subclass(TransposedWeight)
+        transposed.weight = weight
+        return transposed
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return torch_function(func, args, kwargs)
+
+

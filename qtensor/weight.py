@@ -1,0 +1,263 @@
+"""A layer's weight: what a weight does on top of the data it holds.
+
+`qtensor.quantize_` replaces each quantized layer's weight parameter with a *layer weight*: it
+carries the layer's `LinearQuantizers` (`linear_quantizers`), routes F.linear and its matmul forms
+to the quantized linear (routing.py), gathers low-precision bytes under FSDP2, and lists its layer's
+running state among its inner tensors for torch.compile (layer_state.py). Two kinds share the base
+`LayerWeight`:
+
+- `DynamicWeight` (dynamic_weight.py, `weights="dynamic"`): high-precision values, quantized at use.
+- A quantized weight (`weights="quantized"`): the format's own tensor class with this behaviour
+  mixed in (`quantized_weight(tensor, linear)` makes one); `isinstance(w, MXFP8Tensor)` holds, and
+  files and pickles store it as the format's class.
+
+The tensor types below (tensor.py, formats/) know nothing of layers.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import fsdp, layer_state, routing
+from .layer import LinearQuantizers
+from .ops import byte_compatible, copy_storages
+from .tensor import QuantizedTensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support: no DTensor to meet
+    DTensor = None
+
+aten = torch.ops.aten
+
+
+class LayerWeight:
+    """What every layer weight does; mixed into a torch.Tensor subclass (see the module docstring).
+
+    A subclass provides `linear_operand(columnwise, training)` → (the weight operand of the GEMMs,
+    the amax notes its cast made, the version of the values it was cast from or None),
+    `high_precision_matrix()`, `stored_transposed` and `quantized_at_use`.
+    """
+
+    linear_quantizers: LinearQuantizers
+    stored_transposed = False  # a dynamic Conv1D weight keeps [in_features, out_features]
+    quantized_at_use = False  # quantized by each linear call (a dynamic weight) or already quantized
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[0] if self.stored_transposed else self.shape[-1]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return routing.torch_function(func, args, kwargs or {}, otherwise=lambda f, a, k: cls._not_a_linear(f, types, a, k))
+
+    @classmethod
+    def _not_a_linear(cls, func, types, args, kwargs):
+        """A call that is not the layer's linear: plain-tensor semantics."""
+        return routing.plain(func, args, kwargs)
+
+    def __getattr__(self, name):
+        if layer_state.is_state_name(name):
+            return layer_state.inner_tensor(self, name)
+        return self._data_attribute(name)
+
+    def _data_attribute(self, name):
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def _note_fsdp(self, mesh, module) -> None:
+        """What FSDP2's hook arguments tell the layer: the mesh's group reduces its amaxes (unless the
+        user chose a group), and the module whose parameter this is."""
+        running = self.linear_quantizers.running
+        running.mesh_group = mesh.get_group()
+
+
+def refuse_split_off_dim0(weight, func, args, kwargs) -> None:
+    """A layer weight is sharded only along dim 0 (FSDP2). A split or slice along another dimension
+    is tensor parallelism's RowwiseParallel (or a user's), which qtensor does not support yet: refuse
+    it rather than hand out a piece that would run unquantized."""
+    if func not in (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default, aten.chunk.default):
+        return
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if func is aten.narrow.default:
+        dim = args[1]
+    if weight.dim() >= 2 and dim % weight.dim() != 0:
+        raise NotImplementedError(
+            f"{weight.linear_quantizers.parameter_name}: a quantized layer's weight is split along dim {dim} "
+            "(tensor parallelism's RowwiseParallel shards weights that way). qtensor does not support tensor "
+            "parallelism yet, and the layer would run unquantized; keep this layer out of quantize_ "
+            "(filter_fn) or out of parallelize_module."
+        )
+
+
+def refuse_tensor_parallel(module: torch.nn.Module, args) -> None:
+    """Forward pre-hook of every quantized module: a weight that is a DTensor at forward time was
+    distributed by tensor parallelism (FSDP2 hands the forward an unsharded plain tensor), and its
+    DTensor dispatch would run the layer in high precision. Raise, naming the layer."""
+    for attribute, (linear, _) in module.__dict__.get("_qtensor_layers", {}).items():
+        weight = module._parameters.get(attribute)
+        if DTensor is not None and isinstance(weight, DTensor):
+            raise NotImplementedError(
+                f"layer {linear.name or '<root>'!r}: its weight {linear.parameter_name} is a DTensor placed "
+                f"{tuple(weight.placements)} at forward time, which is tensor parallelism (parallelize_module's "
+                "ColwiseParallel / RowwiseParallel). qtensor does not support tensor parallelism yet, and the "
+                "layer would run unquantized. Keep the layer out of quantize_ (filter_fn) or out of parallelize_module."
+            )
+
+
+# ---- quantized weights: a format's tensor class with the layer weight's behaviour -------------------
+class QuantizedWeight(LayerWeight):
+    """Mixed into a format's QuantizedTensor class by `quantized_weight_class`."""
+
+    _ops: dict = {}
+
+    @classmethod
+    def _not_a_linear(cls, func, types, args, kwargs):
+        return QuantizedTensor.__dict__["__torch_function__"].__func__(cls, func, types, args, kwargs)
+
+    def _data_attribute(self, name):
+        return QuantizedTensor.__getattr__(self, name)
+
+    def linear_operand(self, *, columnwise: bool, training: bool):
+        if columnwise and not self.has_columnwise:
+            raise ValueError(
+                f"The quantized weight of {self.linear_quantizers.name or 'this layer'} holds no columnwise copy, "
+                "which dgrad needs. Quantize the weight with columnwise=True (qtensor.quantize_ does)."
+            )
+        # A weight FSDP2 gathered from a dynamic weight's shard carries the notes of that shard's cast.
+        cast = self.__dict__.get("gathered_cast")
+        return (self, cast.notes, cast.version) if cast is not None else (self, [], None)
+
+    def high_precision_matrix(self) -> torch.Tensor:
+        return self.dequantize()
+
+    def with_storages(self, rowwise, columnwise, shape=None, dtype=None, requires_grad=False):
+        result = super().with_storages(rowwise, columnwise, shape=shape, dtype=dtype, requires_grad=requires_grad)
+        result.linear_quantizers = self.linear_quantizers
+        if "gathered_cast" in self.__dict__:  # aliases (FSDP2's parameter over the gathered tensor) share it
+            result.gathered_cast = self.gathered_cast
+        return result
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight = args[0] if args and isinstance(args[0], QuantizedWeight) else None
+        if weight is not None:
+            refuse_split_off_dim0(weight, func, args, kwargs)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except ValueError as error:
+            if weight is None or str(error).startswith(weight.linear_quantizers.parameter_name):
+                raise
+            raise ValueError(f"{weight.linear_quantizers.parameter_name}: {error}") from None
+
+    # torch.compile: the layer's running state travels among the inner tensors (layer_state.py), and
+    # so do the amaxes of a gathered weight's cast (`cast__0`, ...), which its compiled step records.
+    def __tensor_flatten__(self):
+        names, context = super().__tensor_flatten__()
+        first = getattr(self, names[0])
+        cast = self.__dict__.get("gathered_cast")
+        notes = cast.notes if cast is not None else []
+        paths = tuple(_quantizer_path(self.linear_quantizers, quantizer) for quantizer, _ in notes)
+        names = names + [f"cast__{i}" for i in range(len(notes))] + layer_state.inner_names(self, first)
+        return names, (*context, self.linear_quantizers, paths)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
+        *data_context, linear, paths = context
+        buffers = {name: t for name, t in inner_tensors.items() if not layer_state.is_state_name(name) and not name.startswith("cast__")}
+        result = QuantizedTensor.__tensor_unflatten__(buffers, tuple(data_context), outer_size, outer_stride)
+        result.linear_quantizers = linear
+        if paths:  # traced: the compiled step records the cast's amaxes (version None: every step)
+            result.gathered_cast = GatheredCast()
+            result.gathered_cast.notes = [(_quantizer_at(linear, path), inner_tensors[f"cast__{i}"]) for i, path in enumerate(paths)]
+        layer_state.bind(result, inner_tensors)
+        return result
+
+    def __getattr__(self, name):
+        if name.startswith("cast__") and "gathered_cast" in self.__dict__:
+            return self.gathered_cast.notes[int(name.removeprefix("cast__"))][1]
+        return LayerWeight.__getattr__(self, name)
+
+    def __reduce_ex__(self, protocol):
+        if self.__dict__.get("_is_param"):
+            data = self.data_class(self.shape, self.dtype, self.rowwise, self.columnwise, self.quantizer)
+            return _rebuild_quantized_weight, (data, self.requires_grad, self.linear_quantizers)
+        return super().__reduce_ex__(protocol)
+
+    # ---- FSDP2: gather the direction each GEMM reads, as low-precision bytes (fsdp.py) ------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        self._note_fsdp(mesh, module)
+        fsdp.agree_on_scales(self, mesh.get_group())
+        linear = self.linear_quantizers
+        needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))
+        inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, linear.parameter_name)
+        return inputs, (plan, outer_size, self)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        plan, outer_size, local = metadata
+        return fsdp.post_all_gather(local, all_gather_outputs, plan, outer_size, param_dtype, out=out)
+
+
+def _quantizer_path(linear: LinearQuantizers, quantizer) -> str:
+    """Where a weight cast's quantizer sits in the layer: its weight quantizer, or a hybrid's child."""
+    if quantizer is linear.weight:
+        return ""
+    return next(direction for direction in ("rowwise", "columnwise") if linear.weight.quantizer_for(direction) is quantizer)
+
+
+def _quantizer_at(linear: LinearQuantizers, path: str):
+    return linear.weight if not path else linear.weight.quantizer_for(path)
+
+
+class GatheredCast:
+    """Where a weight FSDP2 gathered from a dynamic weight's shard came from: the amax notes of the
+    shard's cast and the version of the values it was cast from. One object shared by the gathered
+    tensor and its aliases, updated in place by each gather."""
+
+    __slots__ = ("notes", "version")
+
+    def __init__(self):
+        self.notes, self.version = [], None
+
+
+def _copy_into_weight(func, args, kwargs):
+    """`weight.copy_(traced)`: how a compiled step writes back a weight it was given — its layer's
+    updated running state, and its bytes where the step wrote them (layer_state.py)."""
+    target, source = args[0], args[1]
+    if isinstance(source, QuantizedTensor) and layer_state.has_bound_state(source) and byte_compatible(target, source):
+        layer_state.copy_state(target, source)
+        copy_storages(target, source, unless=layer_state.same_values)
+        return target
+    return QuantizedTensor._ops[aten.copy_.default](func, args, kwargs)
+
+
+QuantizedWeight._ops[aten.copy_.default] = _copy_into_weight
+
+# A cache: one layer-weight class per format, made under a lock (two classes for one format would
+# make two weights of that format compare as different types).
+_WEIGHT_CLASSES: dict[type, type] = {}
+_WEIGHT_CLASSES_LOCK = threading.Lock()
+
+
+def quantized_weight_class(tensor_class: type) -> type:
+    """The layer-weight class of a format's tensor class (made once per format)."""
+    data_class = tensor_class.data_class
+    with _WEIGHT_CLASSES_LOCK:
+        if data_class not in _WEIGHT_CLASSES:
+            cls = type(f"{data_class.__name__}Weight", (QuantizedWeight, data_class), {"data_class": data_class, "__module__": __name__})
+            _WEIGHT_CLASSES[data_class] = globals()[cls.__name__] = cls  # findable by name, as pickle looks classes up
+        return _WEIGHT_CLASSES[data_class]
+
+
+def quantized_weight(tensor: QuantizedTensor, linear: LinearQuantizers) -> QuantizedTensor:
+    """`tensor`'s data as the quantized weight of the layer `linear` describes."""
+    cls = quantized_weight_class(type(tensor))
+    weight = cls(tensor.shape, tensor.dtype, tensor.rowwise, tensor.columnwise, tensor.quantizer, requires_grad=tensor.requires_grad)
+    weight.linear_quantizers = linear
+    return weight
+
+
+def _rebuild_quantized_weight(data: QuantizedTensor, requires_grad: bool, linear: LinearQuantizers) -> torch.nn.Parameter:
+    return torch.nn.Parameter(quantized_weight(data, linear), requires_grad=requires_grad)
