@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .dynamic_weight import DynamicWeight
+from .fsdp import full_tensor
 from .plan import TensorPlan
 from .tensor import QuantizedTensor, own_bytes
 
@@ -85,8 +86,6 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
         # A sharded (FSDP2) model: every rank gathers the whole tensors (quantized ones as their
         # low-precision bytes), rank 0 writes, and every rank returns once the files exist.
         import torch.distributed as dist
-
-        from .fsdp import full_tensor
 
         entries = {key: full_tensor(value, key) for key, value in entries.items()}
         if dist.get_rank() == 0:

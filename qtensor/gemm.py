@@ -135,9 +135,9 @@ def _dequantized_bf16_mm(forms: list, bias: torch.Tensor | None, out_dtype: torc
 
 def _scale_value(a_scale, b_scale) -> torch.Tensor:
     """The factor of two operands' TensorScales (either may be None, not both), as a 0-d fp32 tensor."""
-    if a_scale is None or b_scale is None:
-        return (a_scale or b_scale).value()
-    return a_scale.value() * b_scale.value()
+    if a_scale is None:
+        return b_scale.value()
+    return a_scale.value() if b_scale is None else a_scale.value() * b_scale.value()
 
 
 def _scale_and_finish(product, scale, bias, out_dtype) -> torch.Tensor:

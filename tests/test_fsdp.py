@@ -96,7 +96,10 @@ def test_all_gathers_carry_low_precision_bytes_of_one_direction(distributed, rec
 def test_when_fsdp2_cannot_say_whether_it_regathers_the_forward_gather_brings_both_directions(distributed):
     """Pins the fallback of fsdp.regathers_before_backward: unknown is taken as "no re-gather"."""
     result = distributed["unknown_regather"]
-    assert result["all_gathers"] and all(g["directions"] == ["rowwise", "columnwise"] for g in result["all_gathers"])
+    # Every forward gather (the ones carrying the rowwise copy) brings the backward's copy too; a
+    # re-gather that FSDP2 does run before backward still carries only the backward's.
+    forward = [g for g in result["all_gathers"] if "rowwise" in g["directions"]]
+    assert forward and all(g["directions"] == ["rowwise", "columnwise"] for g in forward)
     expected = fsdp_cases.train(fsdp_cases.build("mxfp8", "dynamic"), "dynamic")
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-6, atol=0)
 
