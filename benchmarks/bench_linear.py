@@ -155,7 +155,7 @@ class Block(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-def stack_step_stats(recipe, blocks, sequence, steps=6):
+def stack_step_stats(recipe, blocks, sequence, steps):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = nn.Sequential(*[Block() for _ in range(blocks)])
@@ -191,13 +191,13 @@ def stack_step_stats(recipe, blocks, sequence, steps=6):
     return sequence / statistics.median(times), peak, held[-1] / 2**30
 
 
-def stack_table(recipes, blocks, sequence):
+def stack_table(recipes, blocks, sequence, steps=6):
     print(f"\n3. Training step of {blocks} Llama-3-8B-shaped blocks, 1 x {sequence} tokens, bf16 autocast, AdamW (fused)")
     print("   (held after forward: what the forward leaves allocated for backward, the weight casts included)")
     print(f"{'recipe':<22}{'tokens/s':>12}{'x bf16':>9}{'peak GiB':>11}{'held after forward GiB':>25}")
     base = None
     for recipe in ["bf16", *recipes]:
-        tokens, peak, held = stack_step_stats(recipe, blocks, sequence)
+        tokens, peak, held = stack_step_stats(recipe, blocks, sequence, steps)
         base = base or tokens
         print(f"{recipe:<22}{tokens:>12.0f}{tokens / base:>9.2f}{peak:>11.1f}{held:>25.2f}", flush=True)
 
@@ -207,6 +207,7 @@ def main():
     parser.add_argument("--recipes", default=QTENSOR_RECIPES, help="qtensor recipes (comma-separated)")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--sequence", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps of the block stack (the median is reported)")
     parser.add_argument("--skip-stack", action="store_true")
     parser.add_argument("--skip-linear", action="store_true")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="run the first N layer shapes")
@@ -226,7 +227,7 @@ def main():
         linear_table(systems, SHAPES[: args.shapes])
     kernel_table()
     if not args.skip_stack:
-        stack_table(recipes, args.blocks, args.sequence)
+        stack_table(recipes, args.blocks, args.sequence, args.steps)
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _entry_nbytes(value: torch.Tensor) -> int:
     if isinstance(value, QuantizedTensor):
-        buffers, _ = value.to_buffers()
+        buffers = value.buffer_dict()
         return sum(_nbytes(b) for b in buffers.values())
     return _nbytes(value)
 
@@ -320,7 +320,7 @@ def _stored_names(tensors: dict[str, torch.Tensor]) -> set[str]:
     names = set()
     for key, value in tensors.items():
         if isinstance(value, QuantizedTensor):
-            names.update(f"{key}.{name}" for name in value.to_buffers()[0])
+            names.update(f"{key}.{name}" for name in value.buffer_dict())
         else:
             names.add(key)
     return names

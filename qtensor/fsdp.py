@@ -247,7 +247,7 @@ def post_all_gather(
         else:
             storages[direction] = None
     unsharded = local.with_storages(storages["rowwise"], storages["columnwise"], shape=torch.Size(outer_size), dtype=dtype)
-    buffers, _ = unsharded.to_buffers(quantizer_state=False)
+    buffers = unsharded.buffer_dict(quantizer_state=False)
     return unsharded, tuple(buffers.values())
 
 

@@ -42,9 +42,19 @@ def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: boo
     return quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise)
 
 
-# The most recent input cast of this thread: (weak reference to the input, its version, quantizer,
-# quantized). Layers that read one activation (q, k and v projections; an MLP's gate and up) cast it once.
-_last_input_cast: contextvars.ContextVar = contextvars.ContextVar("qtensor_last_input_cast", default=None)
+# The most recent input cast of this thread (and task), in a one-element list: [(weak reference to
+# the input, its version, quantizer, quantized) or None]. Layers that read one activation (q, k and
+# v projections; an MLP's gate and up) cast it once. The backward, which autograd may run on another
+# thread, empties the forward's list through the reference its context keeps.
+_last_input_cast: contextvars.ContextVar = contextvars.ContextVar("qtensor_last_input_cast")
+
+
+def _input_cast_slot() -> list:
+    slot = _last_input_cast.get(None)
+    if slot is None:
+        slot = [None]
+        _last_input_cast.set(slot)
+    return slot
 
 
 def _input_operand(quantizer: Quantizer | None, x: torch.Tensor, x2d: torch.Tensor, *, columnwise: bool) -> torch.Tensor:
@@ -53,8 +63,9 @@ def _input_operand(quantizer: Quantizer | None, x: torch.Tensor, x2d: torch.Tens
     if quantizer is None:
         return x2d
     shareable = quantizer.casts_reproducibly() and not (torch.compiler.is_compiling() or is_fake(x) or x.is_inference())
+    slot = _input_cast_slot()
     if shareable:
-        last = _last_input_cast.get()
+        last = slot[0]
         if (
             last is not None
             and last[0]() is x
@@ -64,7 +75,7 @@ def _input_operand(quantizer: Quantizer | None, x: torch.Tensor, x2d: torch.Tens
         ):
             return last[3]
     quantized = quantizer.quantize(x2d, rowwise=True, columnwise=columnwise)
-    _last_input_cast.set((weakref.ref(x), x._version, quantizer, quantized) if shareable else None)
+    slot[0] = (weakref.ref(x), x._version, quantizer, quantized) if shareable else None
     return quantized
 
 
@@ -131,6 +142,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         # An evaluation or inference forward has no backward: its notes are dropped here.
         ctx.state, ctx.amax_notes = state, (notes if training else [])
         ctx.needs_grad = (input_needs_grad, weight_needs_grad)
+        ctx.input_cast_slot = _input_cast_slot()
         ctx.x_meta = (x.shape, x.dtype)
         ctx.weight_dtype = weight.dtype
         ctx.grad_weight_transposed = weight.stored_transposed
@@ -139,7 +151,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        _last_input_cast.set(None)  # the forward is over: the last input cast is freed
+        ctx.input_cast_slot[0] = None  # the forward is over: the last input cast is freed
         saved = ctx.saved_tensors
         split = len(saved) - len(ctx.w_rebuild[1] if ctx.w_rebuild else [None])
         saved_x, saved_w = _unpack_saved(saved[:split], ctx.x_rebuild), _unpack_saved(saved[split:], ctx.w_rebuild)

@@ -316,7 +316,7 @@ def _zero(func, args, kwargs):
 
 @implements(aten.is_pinned.default)
 def _is_pinned(func, args, kwargs):
-    buffers, _ = args[0].to_buffers(quantizer_state=False)
+    buffers = args[0].buffer_dict(quantizer_state=False)
     return all(buffer.is_pinned() for buffer in buffers.values())
 
 

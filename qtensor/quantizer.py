@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import math
@@ -170,7 +171,7 @@ class Quantizer:
         raise NotImplementedError
 
     def _config_names(self) -> tuple[str, ...]:
-        return tuple(inspect.signature(type(self).__init__).parameters)[1:]
+        return _constructor_arguments(type(self))
 
     def _check_input(self, x, rowwise: bool, columnwise: bool) -> torch.Tensor:
         name = type(self).__name__
@@ -190,6 +191,12 @@ class Quantizer:
                 f"{name}.quantize was asked for no direction; pass rowwise=True and/or columnwise=True."
             )
         return fold_to_2d(x)
+
+
+@functools.cache
+def _constructor_arguments(cls: type) -> tuple[str, ...]:
+    """The names of a quantizer class's constructor arguments (a cache per class: `==` reads them)."""
+    return tuple(inspect.signature(cls.__init__).parameters)[1:]
 
 
 def _short(name: str, value) -> str:

@@ -72,17 +72,18 @@ def intercept(func, args, kwargs):
     return NotImplemented
 
 
-def torch_function(func, args, kwargs, otherwise=None):
-    """The __torch_function__ of every layer weight: the layer's quantized linear where `func` means
-    it, otherwise `otherwise(func, args, kwargs)` (default: `func` with plain-tensor semantics)."""
-    kwargs = kwargs or {}
+def torch_function(func, args, kwargs):
+    """The __torch_function__ of a layer weight: the layer's quantized linear where `func` means it,
+    otherwise `func` with plain-tensor semantics."""
+    result = route(func, args, kwargs)
+    return plain(func, args, kwargs) if result is NotImplemented else result
+
+
+def route(func, args, kwargs):
+    """The layer's quantized linear (or the gradient through it) where `func` means it; NotImplemented otherwise."""
     if func is torch.autograd.grad:
-        result = _grad_through_edges(args, kwargs)
-    else:
-        result = intercept(func, args, kwargs)
-    if result is not NotImplemented:
-        return result
-    return (otherwise or plain)(func, args, kwargs)
+        return _grad_through_edges(args, kwargs)
+    return intercept(func, args, kwargs)
 
 
 def plain(func, args, kwargs):
@@ -132,6 +133,6 @@ class TransposedWeight(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return torch_function(func, args, kwargs)
+        return torch_function(func, args, kwargs or {})
 
 

@@ -131,7 +131,7 @@ class QuantizedTensor(torch.Tensor):
 
     def storage_nbytes(self) -> int:
         """Bytes held by all buffers of both directions (a buffer shared by both counted once)."""
-        buffers, _ = self.to_buffers(quantizer_state=False)
+        buffers = self.buffer_dict(quantizer_state=False)
         return sum(buffer.numel() * buffer.element_size() for buffer in buffers.values())
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
@@ -218,22 +218,25 @@ class QuantizedTensor(torch.Tensor):
         )
 
     def to_buffers(self, *, quantizer_state: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-        """Every buffer once, and the JSON-able metadata that rebuilds this tensor (`from_buffers`).
+        """Every buffer once (`buffer_dict`), and the JSON-able metadata that rebuilds this tensor
+        (`from_buffers`)."""
+        return self.buffer_dict(quantizer_state=quantizer_state), TensorPlan.of(self).metadata(self.quantizer)
 
-        Buffers are named `<direction>.<name>`; a tensor-wide buffer both directions share is named
-        `<name>` alone; the quantizer's running state (delayed scaling) is `quantizer.<name>`.
-        """
-        plan = TensorPlan.of(self)
+    def buffer_dict(self, *, quantizer_state: bool = True) -> dict[str, torch.Tensor]:
+        """Every buffer once, by name: `<direction>.<name>`; a tensor-wide buffer both directions
+        share is named `<name>` alone; the quantizer's running state (delayed scaling) is
+        `quantizer.<name>`."""
+        shared = self.shared_buffer_names()
         buffers = {}
         for direction in DIRECTIONS:
             storage = getattr(self, direction)
             if storage is None or (direction == "columnwise" and storage is self.rowwise):
                 continue
             for name, buffer in storage.buffers.items():
-                buffers[name if name in plan.shared else f"{direction}.{name}"] = buffer
+                buffers[name if name in shared else f"{direction}.{name}"] = buffer
         if quantizer_state:
             buffers.update({f"quantizer.{name}": b for name, b in self.quantizer.state_buffers().items()})
-        return buffers, plan.metadata(self.quantizer)
+        return buffers
 
     @staticmethod
     def from_buffers(
@@ -267,7 +270,7 @@ class QuantizedTensor(torch.Tensor):
     # parameter instead of assigning .data). The context compares by value and holds no shape (it
     # comes back as outer_size), no tensors and no per-step state, so compiled code can guard on it.
     def __tensor_flatten__(self):
-        buffers, _ = self.to_buffers(quantizer_state=False)
+        buffers = self.buffer_dict(quantizer_state=False)
         return [name.replace(".", "__") for name in buffers], (TensorPlan.of(self).key(), self.quantizer)
 
     @staticmethod

@@ -51,12 +51,8 @@ class LayerWeight:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return routing.torch_function(func, args, kwargs or {}, otherwise=lambda f, a, k: cls._not_a_linear(f, types, a, k))
-
-    @classmethod
-    def _not_a_linear(cls, func, types, args, kwargs):
-        """A call that is not the layer's linear: plain-tensor semantics."""
-        return routing.plain(func, args, kwargs)
+        # The layer's linear where `func` means it, plain-tensor semantics otherwise.
+        return routing.torch_function(func, args, kwargs or {})
 
     def __getattr__(self, name):
         if layer_state.is_state_name(name):
@@ -113,7 +109,11 @@ class QuantizedWeight(LayerWeight):
     _ops: dict = {}
 
     @classmethod
-    def _not_a_linear(cls, func, types, args, kwargs):
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # The layer's linear where `func` means it; otherwise what the format's tensor does.
+        result = routing.route(func, args, kwargs or {})
+        if result is not NotImplemented:
+            return result
         return QuantizedTensor.__dict__["__torch_function__"].__func__(cls, func, types, args, kwargs)
 
     def _data_attribute(self, name):
