@@ -414,6 +414,16 @@ def run_distributed(out_path: str) -> None:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, {"histories": layer_histories(model), "logits": trained["logits"].cpu()})
         results[("own_batches", weights)] = per_rank
+    # DistributedDataParallel: quantize_(..., amax_reduction_group=) names the group that reduces
+    # the amaxes (FSDP2 uses its mesh); different batches on each rank again.
+    if not only or only == "ddp":
+        model = build("float8_delayed", "dynamic")
+        qtensor.dequantize_(model)
+        qtensor.quantize_(model, RECIPES["float8_delayed"](), amax_reduction_group=dist.group.WORLD)
+        trained = train(torch.nn.parallel.DistributedDataParallel(model), "dynamic", batch_seed=100 + dist.get_rank())
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"histories": layer_histories(model), "logits": trained["logits"].cpu()})
+        results["ddp_own_batches"] = per_rank
     # A quantized MXFP8 weight whose shard edge cuts a columnwise block (48 rows per rank, blocks of 32).
     from collections import OrderedDict
 

@@ -141,6 +141,15 @@ def test_ranks_with_different_batches_hold_the_same_delayed_scaling_histories(di
         assert torch.equal(other["logits"], first["logits"]), rank
 
 
+def test_under_ddp_the_amax_reduction_group_gives_every_rank_the_same_histories(distributed):
+    first, *others = distributed["ddp_own_batches"]
+    recorded = [key for key, history in first["histories"].items() if any(a != -1.0 for a in history)]
+    assert recorded and len(recorded) == len(first["histories"])
+    for other in others:
+        assert other["histories"] == first["histories"]
+        assert torch.equal(other["logits"], first["logits"])
+
+
 @pytest.mark.parametrize("recipe, weights", [("float8_current", "quantized"), ("hybrid", "dynamic")])
 def test_meta_device_init_then_fully_shard_trains_quantized(distributed, recipe, weights):
     result = distributed[("meta", recipe, weights)]
