@@ -13,6 +13,7 @@ from .layer import LinearQuantizers
 from .quantize import QuantizeReport, dequantize_, quantize_
 from .quantizer import Quantizer
 from .recipe import Recipe, Role
+from .routing import high_precision
 from .tensor import QuantizedTensor, fallback_report, fallbacks
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "Recipe",
     "Role",
     "dequantize_",
+    "high_precision",
     "fallback_report",
     "fallbacks",
     "load_file",

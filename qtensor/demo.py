@@ -1,14 +1,19 @@
 """qtensor's main job: train one stock transformer language model under several recipes.
 
-    python -m qtensor.demo [--steps N] [--d-model D] [--layers L] [--device cpu|cuda]
+    python -m qtensor.demo [--steps N] [--spread-seeds S] [--d-model D] [--layers L] [--device cpu|cuda]
     torchrun --nproc-per-node N -m qtensor.demo --fsdp     (FSDP2: gloo on CPU, NCCL on GPUs)
 
 The model is built in code (nn.TransformerEncoder layers with a causal mask, an embedding and an
 output head) and learns to write sums ("37+45=82;") from a synthetic stream, so nothing is
-downloaded. Every run starts from the same weights and sees the same batches; the only difference
+downloaded. Every recipe starts from the same weights and sees the same batches; the only difference
 is what qtensor.quantize_ does to the model's linear layers (nn.Linear and the attention
 in-projections; the head stays in bf16). All runs,
 the baseline too, use bf16 autocast for the rest of the model.
+
+The numbers are deterministic: the demo runs on one CPU thread with torch's deterministic
+algorithms, so a rerun, or a run under another OMP_NUM_THREADS, prints the same losses. bf16 is also
+trained from --spread-seeds other seeds (other initial weights, other batches): the spread of those
+final losses is bf16's own run-to-run noise, and the table says which recipes' gaps exceed it.
 """
 
 from __future__ import annotations
@@ -79,6 +84,41 @@ class Run:
     recipe: Recipe | None
     weights: str = "dynamic"
     family: str = ""  # what --only matches besides the name (the base recipe of an override run)
+    seed_offset: int = 0  # added to --seed: the initial weights and the batches this run sees
+
+
+def spread_runs(count: int) -> list[Run]:
+    """bf16 again from `count` other seeds: its run-to-run spread, against which the gaps are read."""
+    return [Run(f"bf16, seed +{offset}", None, seed_offset=offset) for offset in range(1, count + 1)]
+
+
+def build_model(args, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return TinyLM(len(VOCABULARY), args.d_model, args.layers, args.heads, args.length)
+
+
+@contextlib.contextmanager
+def deterministic_settings(device: torch.device):
+    """One CPU thread and torch's deterministic algorithms while the demo trains; restored after.
+
+    A CPU GEMM splits its reductions by thread count, so two threads and one round differently
+    (README, "What the demo shows"); one thread gives the same losses whatever OMP_NUM_THREADS says.
+    """
+    threads, enabled, warn_only = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if device.type == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace, read when its first handle is made.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def demo_runs() -> list[Run]:
@@ -193,6 +233,10 @@ class Sharding:
 
 
 def train(run: Run, base: nn.Module, args, device: torch.device, sharding: Sharding | None = None) -> dict:
+    seed = args.seed + run.seed_offset
+    # Each run draws its stochastic-rounding keys from a freshly seeded generator, so its numbers do
+    # not depend on which runs came before it (--only).
+    torch.manual_seed(seed)
     model = copy.deepcopy(base).to(device)
     if run.recipe is not None:
         quantize_(model, run.recipe, weights=run.weights)
@@ -202,7 +246,7 @@ def train(run: Run, base: nn.Module, args, device: torch.device, sharding: Shard
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if run.weights == "quantized":
         optimizer = MasterWeights(optimizer)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(seed)
     bar = ProgressBar(args.steps, run.name, quiet=sharding is not None and sharding.rank != 0)
     losses, times = [], []
     for step in range(1, args.steps + 1):
@@ -250,6 +294,12 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--spread-seeds",
+        type=int,
+        default=4,
+        help="train bf16 from this many other seeds to show its run-to-run spread (default 4)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", nargs="*", help="run only the recipes whose names contain one of these (and bf16)")
     parser.add_argument("--formats", action="store_true", help="print the per-format error table and exit")
@@ -264,11 +314,10 @@ def main(argv=None) -> None:
         print_formats_table(device=args.device)
         return
 
-    torch.manual_seed(args.seed)
-    base = TinyLM(len(VOCABULARY), args.d_model, args.layers, args.heads, args.length)
     runs = [
         r for r in demo_runs() if not args.only or r.name == "bf16" or any(o in r.name + r.family for o in args.only)
     ]
+    runs += spread_runs(args.spread_seeds)
     lead = sharding is None or sharding.rank == 0
     if lead:
         where = f"{sharding.world_size} ranks (FSDP2)" if sharding else str(device)
@@ -277,10 +326,11 @@ def main(argv=None) -> None:
             f"{args.batch}x{args.length} tokens per recipe (uniform guess: loss {math.log(len(VOCABULARY)):.3f})",
             file=sys.stderr,
         )
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, deterministic_settings(device):
         args.save_dir = args.save_dir or scratch
         os.makedirs(args.save_dir, exist_ok=True)
-        results = {run.name: train(run, base, args, device, sharding) for run in runs}
+        bases = {offset: build_model(args, args.seed + offset) for offset in {run.seed_offset for run in runs}}
+        results = {run.name: train(run, bases[run.seed_offset], args, device, sharding) for run in runs}
     if lead:
         print_table(results, args, sharding)
     if sharding is not None:
@@ -291,12 +341,30 @@ def main(argv=None) -> None:
         os._exit(0)
 
 
+def bf16_spread(results: dict) -> float | None:
+    """max - min of bf16's final losses over its seeds; None when it ran from one seed only."""
+    losses = [result["final_loss"] for name, result in results.items() if name.startswith("bf16")]
+    return max(losses) - min(losses) if len(losses) > 1 else None
+
+
 def print_table(results: dict, args, sharding: Sharding | None) -> None:
     baseline = results["bf16"]["final_loss"]
+    spread = bf16_spread(results)
     last = f"{'all-gather KiB/step (bf16)':>28}" if sharding else f"{'file KiB':>10}  reload"
-    print(f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'weight KiB fwd/all':>20}{'step ms':>10}{last}")
-    for name, result in results.items():
+    print(
+        f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'vs bf16 spread':>16}"
+        f"{'weight KiB fwd/all':>20}{'step ms':>10}{last}"
+    )
+    # bf16 and its other seeds first: their gaps are the noise the recipes' gaps are read against.
+    ordered = sorted(results.items(), key=lambda item: not item[0].startswith("bf16"))
+    for name, result in ordered:
         gap = result["final_loss"] - baseline
+        if name == "bf16":
+            verdict = f"{spread:.4f}" if spread is not None else "-"
+        elif name.startswith("bf16") or spread is None:
+            verdict = "-"
+        else:
+            verdict = "within" if abs(gap) <= spread else ("worse" if gap > 0 else "better")
         forward, total = result["weight_bytes"]
         if sharding:
             sent, bf16 = result["gathered"]
@@ -305,7 +373,7 @@ def print_table(results: dict, args, sharding: Sharding | None) -> None:
             saved = result["checkpoint"]
             tail = f"{saved[0] / 1024:>10.1f}  {'identical' if saved[1] else 'DIFFERENT'}" if saved else f"{'':>10}  -"
         print(
-            f"{name:<26}{result['final_loss']:>11.4f}{gap:>+13.4f}"
+            f"{name:<26}{result['final_loss']:>11.4f}{gap:>+13.4f}{verdict:>16}"
             f"{forward / 1024:>11.1f} /{total / 1024:>7.1f}{result['step_ms']:>10.1f}{tail}"
         )
     print(
@@ -313,6 +381,19 @@ def print_table(results: dict, args, sharding: Sharding | None) -> None:
         "as the GEMMs read them, forward copy / forward and backward copies (bf16 serves both)"
         + (", of this rank's shards." if sharding else ".")
     )
+    if spread is not None:
+        exceeding = [
+            name for name, result in results.items()
+            if not name.startswith("bf16") and abs(result["final_loss"] - baseline) > spread
+        ]
+        print(
+            f"vs bf16 spread: bf16 trained from {args.spread_seeds + 1} seeds (other initial weights and "
+            f"batches) ends {spread:.4f} apart from highest to lowest final loss; a recipe's gap within that "
+            "is noise, not a difference (worse / better: the gap exceeds it). "
+            + (f"Gaps beyond the spread: {', '.join(n.strip(' +') for n in exceeding)}." if exceeding else "No gap exceeds it.")
+        )
+    else:
+        print("vs bf16 spread: bf16 ran from one seed only (--spread-seeds 0), so the gaps have no yardstick.")
     if sharding:
         print(
             "all-gather KiB/step: what one rank handed to FSDP2's all-gathers of the quantized weights per "

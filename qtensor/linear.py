@@ -197,6 +197,16 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         )
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
+    if not torch.is_autocast_enabled(x.device.type):
+        # As nn.Linear: outside autocast, input, weight and bias share one dtype.
+        mismatched = [(what, t.dtype) for what, t in (("weight", weight), ("bias", bias)) if t is not None and t.dtype != x.dtype]
+        if mismatched:
+            found = ", ".join(f"the {what} {dtype}" for what, dtype in mismatched)
+            raise RuntimeError(
+                f"{name}: the input is {x.dtype} but {found}; as nn.Linear, a quantized layer takes one dtype "
+                f"outside autocast (expected m1 and m2 to have the same dtype). Convert the input "
+                f"(x.to({weight.dtype})) or the model, or run under torch.autocast."
+            )
     grad_enabled = torch.is_grad_enabled()
     # Traced by torch.compile, the casts use the copies of the layer state the weight carries (layer_state.py).
     state = layer_state.traced_state_of(weight)

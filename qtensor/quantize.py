@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ class QuantizeReport:
 
     quantized: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    # The model's last linear layer (in registration order): its output head for a language model or
+    # classifier. quantize_ treats it like any other layer; `exclude=[name]` keeps it in high precision.
+    output_head: str | None = None
 
     def __str__(self) -> str:
         rows = [(name, "quantized", text) for name, text in self.quantized.items()]
@@ -34,6 +38,10 @@ class QuantizeReport:
         lines = [f"{'layer':<{width}}  {'status':<9}  details"]
         lines += [f"{name:<{width}}  {status:<9}  {text}" for name, status, text in rows]
         lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
+        if self.output_head is not None:
+            status = "quantized" if self.output_head in self.quantized else "in high precision"
+            hint = f"; exclude=[{self.output_head!r}] keeps it in high precision" if status == "quantized" else ""
+            lines.append(f"output head (the last linear layer): {self.output_head!r}, {status}{hint}")
         return "\n".join(lines)
 
 
@@ -99,6 +107,7 @@ def quantize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     weights: str = "dynamic",
     strict: bool = False,
+    exclude=(),
     amax_reduction_group=None,
 ) -> QuantizeReport:
     """Give every selected linear layer of `model` its quantizers, in place; the modules stay the same objects.
@@ -113,6 +122,10 @@ def quantize_(
     layer type qtensor does not quantize, a parameter that is not a layer's weight). With
     `strict=True` nothing is changed and a ValueError names every linear layer that cannot be
     quantized (shapes, tied weights) and every `weight` matrix of a layer type qtensor does not know.
+
+    `exclude`: names or glob patterns of layers, or of modules whose layers all stay, to keep in high
+    precision (`"lm_head"`, `"layers.*.attention"`), as `filter_fn` returning False would; one that
+    matches no linear layer raises ValueError (a misspelt name would quantize the layer it meant to keep).
 
     `amax_reduction_group`: the process group over which delayed scaling's amaxes are reduced before
     they are recorded, so that every data-parallel rank holds the same histories (DDP: the default
@@ -129,6 +142,7 @@ def quantize_(
             "return True to quantize that layer, e.g. filter_fn=lambda module, fqn: fqn != 'lm_head'."
         )
     recipe = recipe_or_factory if isinstance(recipe_or_factory, Recipe) else Recipe(recipe_or_factory)
+    exclude = _patterns(exclude)
     if weights not in WEIGHT_MODES:
         raise ValueError(f"quantize_: weights must be 'dynamic' or 'quantized', got {weights!r}.")
     report = QuantizeReport()
@@ -136,11 +150,18 @@ def quantize_(
     cannot: dict[str, str] = {}  # layers that stay in high precision other than by the user's choice
     seen: set[tuple[int, str]] = set()  # (id(module), attribute) of every weight a site accounts for
     owners = _parameter_owners(model)
+    matched: set[str] = set()
     for name, module in model.named_modules():
         for site in linear_sites(module, name):
             seen.add((id(module), site.attribute))
+            report.output_head = site.layer
             if carries_quantizers(getattr(module, site.attribute)):
                 raise ValueError(f"quantize_: layer {site.layer!r} is already quantized. Call qtensor.dequantize_(model) first.")
+            excluded_by = [pattern for pattern in exclude if _matches(pattern, site.layer, name)]
+            matched.update(excluded_by)
+            if excluded_by:
+                report.skipped[site.layer] = f"kept in high precision by exclude={excluded_by[0]!r}"
+                continue
             if filter_fn is not None and not filter_fn(module, name):
                 report.skipped[site.layer] = "filtered out by filter_fn"
                 continue
@@ -161,6 +182,12 @@ def quantize_(
                 running=LayerRunning(amax_reduction_group, weakref.ref(model)),
             )
             plan.append((site, linear))
+    unmatched = [pattern for pattern in exclude if pattern not in matched]
+    if unmatched:
+        raise ValueError(
+            f"quantize_: exclude={unmatched} matches no linear layer of the model; nothing was changed. "
+            f"Layer names look like {sorted(report.skipped | dict.fromkeys(site.layer for site, _ in plan))[:4]}."
+        )
     _check_no_shared_running_state(plan)
     others = _other_weight_matrices(model, seen)
     harmless = {layer: reason for layer, (reason, ok) in others.items() if ok}
@@ -178,6 +205,21 @@ def quantize_(
         mode = "quantized" if isinstance(getattr(site.module, site.attribute), QuantizedTensor) else "dynamic"
         report.quantized[site.layer] = f"{linear.describe()}; weights={mode}"
     return report
+
+
+def _patterns(exclude) -> tuple[str, ...]:
+    if isinstance(exclude, str):
+        return (exclude,)
+    patterns = tuple(exclude)
+    if not all(isinstance(pattern, str) for pattern in patterns):
+        raise TypeError(f"quantize_: exclude takes layer names or glob patterns (strings), got {exclude!r}.")
+    return patterns
+
+
+def _matches(pattern: str, layer: str, module_name: str) -> bool:
+    """Whether `pattern` names the layer, its module (an attention projection's), or a module that
+    contains it, exactly or as a glob over names."""
+    return any(fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*") for name in (layer, module_name))
 
 
 def _other_weight_matrices(model: nn.Module, seen: set) -> dict[str, tuple[str, bool]]:

@@ -6,6 +6,7 @@ scaling keeps per-layer state) and leaves other module types alone.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -19,11 +20,15 @@ from .recipe import Role
 
 
 class ByTensorType:
-    """A factory that makes a new quantizer per linear layer and tensor type."""
+    """A factory that makes a new quantizer per linear layer and tensor type. Each maker is called
+    once here, so a bad option raises when the recipe is made, not at quantize_ time."""
 
-    def __init__(self, name: str, input: Callable[[], Quantizer], weight: Callable[[], Quantizer], grad_output: Callable[[], Quantizer]):
+    def __init__(self, name: str, input: Callable[[], Quantizer], weight: Callable[[], Quantizer], grad_output: Callable[[], Quantizer], options: dict | None = None):
         self.name = name
         self.makers = {"input": input, "weight": weight, "grad_output": grad_output}
+        self.options = options or {}
+        for make in self.makers.values():
+            make()
 
     def __call__(self, role: Role) -> Quantizer | None:
         if role.module_type != "linear":
@@ -31,52 +36,117 @@ class ByTensorType:
         return self.makers[role.tensor_type]()
 
     def __repr__(self) -> str:
-        return f"qtensor.recipes.{self.name}()"
+        options = ", ".join(f"{name}={_show(value)}" for name, value in self.options.items())
+        return f"qtensor.recipes.{self.name}({options})"
 
 
-def float8_current() -> ByTensorType:
-    """Per-tensor FP8 with current scaling: E4M3 input and weight, E5M2 gradient."""
+def _show(value) -> str:
+    return str(value) if isinstance(value, torch.dtype) else repr(value)
+
+
+def _changed(defaults: dict, given: dict) -> dict:
+    """The options a call changed from their defaults (what the recipe's repr shows)."""
+    return {name: value for name, value in given.items() if defaults[name] != value}
+
+
+def float8_current(
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    grad_fp8_dtype: torch.dtype = torch.float8_e5m2,
+    amax_epsilon: float = 0.0,
+    force_pow_2_scales: bool = False,
+) -> ByTensorType:
+    """Per-tensor FP8 with current scaling: `fp8_dtype` (E4M3) for input and weight, `grad_fp8_dtype`
+    (E5M2) for the gradient; `amax_epsilon` and `force_pow_2_scales` as `Float8Quantizer` takes them."""
+    options = dict(amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales)
     return ByTensorType(
         "float8_current",
-        input=lambda: Float8Quantizer(torch.float8_e4m3fn),
-        weight=lambda: Float8Quantizer(torch.float8_e4m3fn),
-        grad_output=lambda: Float8Quantizer(torch.float8_e5m2),
+        input=lambda: Float8Quantizer(fp8_dtype, **options),
+        weight=lambda: Float8Quantizer(fp8_dtype, **options),
+        grad_output=lambda: Float8Quantizer(grad_fp8_dtype, **options),
+        options=_changed(_defaults(float8_current), dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, **options)),
     )
 
 
-def float8_delayed() -> ByTensorType:
-    """Per-tensor FP8 with delayed scaling (amax history): E4M3 input and weight, E5M2 gradient."""
+def float8_delayed(
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    grad_fp8_dtype: torch.dtype = torch.float8_e5m2,
+    amax_history_len: int = 1024,
+    amax_compute_algo: str = "max",
+    margin: int = 0,
+    amax_epsilon: float = 0.0,
+    force_pow_2_scales: bool = False,
+) -> ByTensorType:
+    """Per-tensor FP8 with delayed scaling (an amax history per tensor): `fp8_dtype` (E4M3) for input
+    and weight, `grad_fp8_dtype` (E5M2) for the gradient; the history's length, how it is reduced
+    (`"max"` or `"most_recent"`) and the `margin` (scale / 2**margin) as `Float8Quantizer` takes them."""
+    options = dict(
+        amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo, margin=margin,
+        amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,
+    )
     return ByTensorType(
         "float8_delayed",
-        input=lambda: Float8Quantizer(torch.float8_e4m3fn, scaling="delayed"),
-        weight=lambda: Float8Quantizer(torch.float8_e4m3fn, scaling="delayed"),
-        grad_output=lambda: Float8Quantizer(torch.float8_e5m2, scaling="delayed"),
+        input=lambda: Float8Quantizer(fp8_dtype, scaling="delayed", **options),
+        weight=lambda: Float8Quantizer(fp8_dtype, scaling="delayed", **options),
+        grad_output=lambda: Float8Quantizer(grad_fp8_dtype, scaling="delayed", **options),
+        options=_changed(_defaults(float8_delayed), dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, **options)),
     )
 
 
-def mxfp8() -> ByTensorType:
-    """MXFP8 (E4M3 elements, E8M0 scale per 32, rceil) for every tensor."""
-    return ByTensorType("mxfp8", input=MXFP8Quantizer, weight=MXFP8Quantizer, grad_output=MXFP8Quantizer)
+def mxfp8(
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    grad_fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_rounding: str = "rceil",
+) -> ByTensorType:
+    """MXFP8 (E8M0 scale per 32 elements) for every tensor: `fp8_dtype` for input and weight,
+    `grad_fp8_dtype` for the gradient (both E4M3 by default), `scale_rounding` "rceil" or "floor"."""
+    return ByTensorType(
+        "mxfp8",
+        input=lambda: MXFP8Quantizer(fp8_dtype, scale_rounding),
+        weight=lambda: MXFP8Quantizer(fp8_dtype, scale_rounding),
+        grad_output=lambda: MXFP8Quantizer(grad_fp8_dtype, scale_rounding),
+        options=_changed(_defaults(mxfp8), dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, scale_rounding=scale_rounding)),
+    )
 
 
-def nvfp4() -> ByTensorType:
-    """NVFP4: 16x16 tiles for weights; 1x16 blocks with the Hadamard transform on the wgrad copies of
-    inputs and gradients; stochastic rounding for gradients."""
+def nvfp4(*, weight_block_2d: bool = True, rht: bool = True, stochastic_rounding: bool = True, seed: int | None = None) -> ByTensorType:
+    """NVFP4: 16x16 tiles for weights (`weight_block_2d`); 1x16 blocks with the Hadamard transform
+    on the wgrad copies of inputs and gradients (`rht`); stochastic rounding for gradients
+    (`stochastic_rounding`, seeded with `seed`)."""
     return ByTensorType(
         "nvfp4",
-        input=lambda: NVFP4Quantizer(rht=True),
-        weight=lambda: NVFP4Quantizer(block_2d=True),
-        grad_output=lambda: NVFP4Quantizer(rht=True, stochastic_rounding=True),
+        input=lambda: NVFP4Quantizer(rht=rht),
+        weight=lambda: NVFP4Quantizer(block_2d=weight_block_2d),
+        grad_output=lambda: NVFP4Quantizer(rht=rht, stochastic_rounding=stochastic_rounding, seed=seed if stochastic_rounding else None),
+        options=_changed(_defaults(nvfp4), dict(weight_block_2d=weight_block_2d, rht=rht, stochastic_rounding=stochastic_rounding, seed=seed)),
     )
 
 
-def mxfp8_fwd_nvfp4_bwd() -> ByTensorType:
-    """MXFP8 rowwise (forward GEMM) + NVFP4 columnwise (backward GEMMs) for input and weight, NVFP4
-    for gradients. The wgrad operands (input columnwise, gradient columnwise) both carry the
-    Hadamard transform, so it cancels in dYᵀ·X."""
+def mxfp8_fwd_nvfp4_bwd(
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_rounding: str = "rceil",
+    rht: bool = True,
+    stochastic_rounding: bool = True,
+    seed: int | None = None,
+) -> ByTensorType:
+    """MXFP8 rowwise (forward GEMM, `fp8_dtype`, `scale_rounding`) + NVFP4 columnwise (backward GEMMs)
+    for input and weight, NVFP4 for gradients (stochastic rounding, seeded with `seed`). With `rht`
+    the wgrad operands (input columnwise, gradient columnwise) both carry the Hadamard transform, so
+    it cancels in dYᵀ·X."""
     return ByTensorType(
         "mxfp8_fwd_nvfp4_bwd",
-        input=lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
-        weight=lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()),
-        grad_output=lambda: NVFP4Quantizer(rht=True, stochastic_rounding=True),
+        input=lambda: HybridQuantizer(MXFP8Quantizer(fp8_dtype, scale_rounding), NVFP4Quantizer(rht=rht)),
+        weight=lambda: HybridQuantizer(MXFP8Quantizer(fp8_dtype, scale_rounding), NVFP4Quantizer()),
+        grad_output=lambda: NVFP4Quantizer(rht=rht, stochastic_rounding=stochastic_rounding, seed=seed if stochastic_rounding else None),
+        options=_changed(
+            _defaults(mxfp8_fwd_nvfp4_bwd),
+            dict(fp8_dtype=fp8_dtype, scale_rounding=scale_rounding, rht=rht, stochastic_rounding=stochastic_rounding, seed=seed),
+        ),
     )
+
+
+def _defaults(recipe) -> dict:
+    return {name: parameter.default for name, parameter in inspect.signature(recipe).parameters.items()}

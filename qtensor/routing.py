@@ -8,6 +8,8 @@ the quantized linear; anything else runs with plain-tensor semantics.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 
 import torch
@@ -16,6 +18,24 @@ import torch.nn.functional as F
 from .attention import multi_head_attention
 from .layer import carries_quantizers
 from .linear import quantized_linear
+
+# A switch per thread and task: False inside `high_precision()`.
+_quantizing: contextvars.ContextVar = contextvars.ContextVar("qtensor_quantizing", default=True)
+
+
+@contextlib.contextmanager
+def high_precision():
+    """Inside, every quantized layer runs in high precision: its linear multiplies the weight's
+    high-precision values (a dynamic weight's own; a quantized weight's dequantized ones) and the
+    plain input, and gradients flow to the parameters as for a stock layer. Nothing is quantized and
+    no delayed-scaling history changes. For evaluating or debugging without `dequantize_`. Under
+    torch.compile the switch is read when a graph is traced."""
+    token = _quantizing.set(False)
+    try:
+        yield
+    finally:
+        _quantizing.reset(token)
+
 
 _TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.transpose, torch.transpose}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
@@ -81,6 +101,8 @@ def torch_function(func, args, kwargs):
 
 def route(func, args, kwargs):
     """The layer's quantized linear (or the gradient through it) where `func` means it; NotImplemented otherwise."""
+    if not _quantizing.get():
+        return NotImplemented
     if func is torch.autograd.grad:
         return _grad_through_edges(args, kwargs)
     return intercept(func, args, kwargs)

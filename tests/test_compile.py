@@ -156,6 +156,29 @@ def test_a_compiled_model_runs_under_inductor(recipe):
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.13", strict=False,
+    reason="torch 2.11's inductor failed a tiling assertion on MXFP8's reference cast on the CPU (not re-checked there since the block-view rewrite)",
+)
+def test_mxfp8_forward_and_backward_compile_under_inductor_on_the_cpu(weights):
+    """The backward casts the first layer's gradient both ways and dequantizes its columnwise copy in
+    one fused CPU kernel (16 rows: one partial column block); the reference casts compile there and
+    the compiled step equals eager: output, the input's gradient and the parameters' (docs/compile.md)."""
+    eager = mlp("mxfp8", weights)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(eager), backend="inductor")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    results = []
+    for model in (compiled, eager):
+        x_leaf = x.clone().requires_grad_()  # a dgrad in the first layer too
+        out = model(x_leaf)
+        out.square().sum().backward()
+        results.append([out.detach(), x_leaf.grad, *(p.grad for p in model.parameters())])
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
 CUSTOM_OPS = {
     "float8_current": {"qtensor.float8_cast", "qtensor.amax_partials"},
     "mxfp8": {"qtensor.mxfp8_cast", "qtensor.mxfp8_dequantize"},

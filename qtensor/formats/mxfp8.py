@@ -9,7 +9,6 @@ from ..numerics import (
     check_choice,
     check_fp8_dtype,
     exact_pow2,
-    expand_blocks,
     fp32,
     fp8_max,
     pad_to_multiple,
@@ -52,29 +51,46 @@ def decode_scales(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == E8M0_NAN, float("nan"), values)
 
 
+# The per-block scale multiplies a [.., blocks, 32, ..] view, never an element-wise expansion of the
+# scales: an expansion indexes the scales by `column // 32`, and torch 2.13's inductor on the CPU
+# fails (AssertionError in CppScheduling.try_loop_split) when it fuses such a kernel with one over the
+# same elements in transposed order, as a backward does with a gradient's two copies. Plain torch:
+#     a, s, b = torch.randn(16, 128), torch.randn(16, 4), torch.randn(128, 1)
+#     torch.compile(lambda a, s, b: (a * s.repeat_interleave(32, 1), a.t() * b))(a, s, b)
+# (docs/compile.md). Each product is the same fp32 product of the same two values, so the bits match.
 def quantize_row_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str):
     """Blocks of 32 along each row of fp32 `x` [R, C] → (fp8 data [R, C], E8M0 codes [R, ceil(C/32)])."""
+    rows, cols = x.shape
+    blocks = pad_to_multiple(x, BLOCK_SIZE, dim=1).reshape(rows, ceil_div(cols, BLOCK_SIZE), BLOCK_SIZE)
     codes = e8m0_codes(block_amax(x, BLOCK_SIZE), fp8_dtype, scale_rounding)
     element_scale = exact_pow2(127 - codes.int().clamp(max=254))
-    data = to_fp8_saturating(x * expand_blocks(element_scale, BLOCK_SIZE, x.shape[1]), fp8_dtype)
-    return data, codes
+    data = to_fp8_saturating(blocks * element_scale[:, :, None], fp8_dtype)
+    return data.reshape(rows, blocks.shape[1] * BLOCK_SIZE)[:, :cols].contiguous(), codes
 
 
 def quantize_column_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str):
     """Blocks of 32 down each column of fp32 `x` [R, C] → (fp8 data [R, C], E8M0 codes
     [ceil(R/32), C]): quantize_row_blocks of `x.t()`, transposed back, computed in place."""
     rows, cols = x.shape
-    blocks = ceil_div(rows, BLOCK_SIZE)
-    padded = pad_to_multiple(x, BLOCK_SIZE, dim=0).reshape(blocks, BLOCK_SIZE, cols)
-    amax = padded.abs().amax(dim=1) if padded.numel() else x.new_zeros(blocks, cols)
+    blocks = pad_to_multiple(x, BLOCK_SIZE, dim=0).reshape(ceil_div(rows, BLOCK_SIZE), BLOCK_SIZE, cols)
+    amax = blocks.abs().amax(dim=1) if blocks.numel() else x.new_zeros(blocks.shape[0], cols)
     codes = e8m0_codes(amax, fp8_dtype, scale_rounding)
     element_scale = exact_pow2(127 - codes.int().clamp(max=254))
-    per_row = element_scale[:, None, :].expand(blocks, BLOCK_SIZE, cols).reshape(blocks * BLOCK_SIZE, cols)[:rows]
-    return to_fp8_saturating(x * per_row, fp8_dtype), codes
+    data = to_fp8_saturating(blocks * element_scale[:, None, :], fp8_dtype)
+    return data.reshape(blocks.shape[0] * BLOCK_SIZE, cols)[:rows], codes
 
 
 def dequantize_row_blocks(data: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    return data.float() * expand_blocks(decode_scales(codes), BLOCK_SIZE, data.shape[1])
+    rows, cols = data.shape
+    blocks = pad_to_multiple(data.float(), BLOCK_SIZE, dim=1).reshape(rows, codes.shape[1], BLOCK_SIZE)
+    return (blocks * decode_scales(codes)[:, :, None]).reshape(rows, blocks.shape[1] * BLOCK_SIZE)[:, :cols].contiguous()
+
+
+def dequantize_column_blocks(data: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """dequantize_row_blocks of `data.t()`, transposed back, computed in place."""
+    rows, cols = data.shape
+    blocks = pad_to_multiple(data.float(), BLOCK_SIZE, dim=0).reshape(codes.shape[0], BLOCK_SIZE, cols)
+    return (blocks * decode_scales(codes)[:, None, :]).reshape(blocks.shape[0] * BLOCK_SIZE, cols)[:rows]
 
 
 class MXFP8Storage(Storage):
@@ -100,7 +116,7 @@ class MXFP8Storage(Storage):
             return kernel(self.data, self.scale_inv, self.direction == "rowwise", torch.float32)
         if self.direction == "rowwise":
             return dequantize_row_blocks(self.data, self.scale_inv)
-        return dequantize_row_blocks(self.data.t(), self.scale_inv.t()).t()
+        return dequantize_column_blocks(self.data, self.scale_inv)
 
     def dequantize_as(self, dtype: torch.dtype) -> torch.Tensor:
         kernel = lookup("mxfp8.dequantize", self.data)
