@@ -197,8 +197,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         )
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
-    if not torch.is_autocast_enabled(x.device.type):
-        # As nn.Linear: outside autocast, input, weight and bias share one dtype.
+    if not x.is_meta and not torch.is_autocast_enabled(x.device.type):
+        # As nn.Linear: outside autocast, input, weight and bias share one dtype (a meta tensor,
+        # shapes only, has no autocast to ask).
         mismatched = [(what, t.dtype) for what, t in (("weight", weight), ("bias", bias)) if t is not None and t.dtype != x.dtype]
         if mismatched:
             found = ", ".join(f"the {what} {dtype}" for what, dtype in mismatched)
