@@ -153,7 +153,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
 
     # ---- FSDP2: quantize the local shard, gather its low-precision bytes (fsdp.py) -------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        self._note_fsdp(mesh, module)
+        self._note_fsdp(mesh)
         linear = self.linear_quantizers
         values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
         # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along

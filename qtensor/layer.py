@@ -104,10 +104,6 @@ class LinearQuantizers:
                     stack.enter_context(quantizer.using_state(mine))
             yield
 
-    def uses_delayed_scaling(self) -> bool:
-        """Whether any role keeps running state (a delayed-scaling history, a hybrid's child's too)."""
-        return bool(self.state_buffers())
-
 
 def carries_quantizers(tensor) -> bool:
     return getattr(tensor, "linear_quantizers", None) is not None

@@ -22,7 +22,7 @@ import torch
 
 from . import fsdp, layer_state, routing
 from .layer import LinearQuantizers
-from .ops import byte_compatible, copy_storages
+from .ops import bind, byte_compatible, copy_storages
 from .tensor import QuantizedTensor
 
 try:
@@ -62,29 +62,29 @@ class LayerWeight:
     def _data_attribute(self, name):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    def _note_fsdp(self, mesh, module) -> None:
-        """What FSDP2's hook arguments tell the layer: the mesh's group reduces its amaxes (unless the
-        user chose a group), and the module whose parameter this is."""
-        running = self.linear_quantizers.running
-        running.mesh_group = mesh.get_group()
+    def _note_fsdp(self, mesh) -> None:
+        """What FSDP2's mesh tells the layer: its group reduces the layer's amaxes (unless the user
+        chose a group)."""
+        self.linear_quantizers.running.mesh_group = mesh.get_group()
 
 
 def refuse_split_off_dim0(weight, func, args, kwargs) -> None:
     """A layer weight is sharded only along dim 0 (FSDP2). A split or slice along another dimension
     is tensor parallelism's RowwiseParallel (or a user's), which qtensor does not support yet: refuse
     it rather than hand out a piece that would run unquantized."""
-    if func not in (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default, aten.chunk.default):
+    if func not in _SPLITS or weight.dim() < 2:
         return
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if func is aten.narrow.default:
-        dim = args[1]
-    if weight.dim() >= 2 and dim % weight.dim() != 0:
+    dim = bind(func, args, kwargs)["dim"]
+    if dim % weight.dim() != 0:
         raise NotImplementedError(
             f"{weight.linear_quantizers.parameter_name}: a quantized layer's weight is split along dim {dim} "
             "(tensor parallelism's RowwiseParallel shards weights that way). qtensor does not support tensor "
             "parallelism yet, and the layer would run unquantized; keep this layer out of quantize_ "
             "(filter_fn) or out of parallelize_module."
         )
+
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default, aten.chunk.default)
 
 
 def refuse_tensor_parallel(module: torch.nn.Module, args) -> None:
@@ -188,7 +188,7 @@ class QuantizedWeight(LayerWeight):
 
     # ---- FSDP2: gather the direction each GEMM reads, as low-precision bytes (fsdp.py) ------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        self._note_fsdp(mesh, module)
+        self._note_fsdp(mesh)
         fsdp.agree_on_scales(self, mesh.get_group())
         linear = self.linear_quantizers
         needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))

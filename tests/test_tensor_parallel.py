@@ -88,3 +88,15 @@ def test_the_same_layer_without_quantize_parallelizes_and_trains(mesh, style):
     expected = forward_and_backward(reference)
     torch.testing.assert_close(y, expected)
     torch.testing.assert_close(model[0].weight.grad.full_tensor(), reference[0].weight.grad)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_row_slice_of_a_layer_weight_is_allowed_and_a_column_slice_is_refused(weights):
+    """The guard reads each op's dim argument: a row slice at any start (FSDP2's pieces) passes."""
+    layer = nn.Linear(64, 64)
+    qtensor.quantize_(layer, qtensor.recipes.float8_current(), weights=weights)
+    weight = layer.weight.detach()
+    assert weight[31:].shape == (33, 64) and weight.narrow(0, 3, 5).shape == (5, 64)
+    for column_piece in (lambda w: w[:, 8:], lambda w: w.narrow(1, 0, 32), lambda w: w.split(32, dim=1)):
+        with pytest.raises(NotImplementedError, match="0.weight|weight: a quantized layer's weight is split along dim 1"):
+            column_piece(weight)

@@ -51,21 +51,30 @@ def decode_scales(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == E8M0_NAN, float("nan"), values)
 
 
-# The per-block scale multiplies a [.., blocks, 32, ..] view, never an element-wise expansion of the
-# scales: an expansion indexes the scales by `column // 32`, and torch 2.13's inductor on the CPU
-# fails (AssertionError in CppScheduling.try_loop_split) when it fuses such a kernel with one over the
-# same elements in transposed order, as a backward does with a gradient's two copies. Plain torch:
-#     a, s, b = torch.randn(16, 128), torch.randn(16, 4), torch.randn(128, 1)
-#     torch.compile(lambda a, s, b: (a * s.repeat_interleave(32, 1), a.t() * b))(a, s, b)
-# (docs/compile.md). Each product is the same fp32 product of the same two values, so the bits match.
+def times_block_scales(values: torch.Tensor, scales: torch.Tensor, along_rows: bool) -> torch.Tensor:
+    """fp32 `values` [R, C] times the scale of each one's block of 32: blocks along the rows (scales
+    [R, ceil(C/32)]) or down the columns (scales [ceil(R/32), C]); partial blocks as zero-padded.
+
+    The scales multiply a [.., blocks, 32, ..] view of the values, never an element-wise expansion:
+    an expansion indexes the scales by `column // 32`, and torch 2.13's inductor on the CPU fails
+    (AssertionError in CppScheduling.try_loop_split) when it fuses such a kernel with one over the
+    same elements in transposed order, as a backward does with a gradient's two copies. Plain torch:
+        a, s, b = torch.randn(16, 128), torch.randn(16, 4), torch.randn(128, 1)
+        torch.compile(lambda a, s, b: (a * s.repeat_interleave(32, 1), a.t() * b))(a, s, b)
+    (docs/compile.md). Each product is the same fp32 product of the same two values."""
+    rows, cols = values.shape
+    if along_rows:
+        blocks = pad_to_multiple(values, BLOCK_SIZE, dim=1).reshape(rows, scales.shape[1], BLOCK_SIZE)
+        return (blocks * scales[:, :, None]).reshape(rows, scales.shape[1] * BLOCK_SIZE)[:, :cols]
+    blocks = pad_to_multiple(values, BLOCK_SIZE, dim=0).reshape(scales.shape[0], BLOCK_SIZE, cols)
+    return (blocks * scales[:, None, :]).reshape(scales.shape[0] * BLOCK_SIZE, cols)[:rows]
+
+
 def quantize_row_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str):
     """Blocks of 32 along each row of fp32 `x` [R, C] → (fp8 data [R, C], E8M0 codes [R, ceil(C/32)])."""
-    rows, cols = x.shape
-    blocks = pad_to_multiple(x, BLOCK_SIZE, dim=1).reshape(rows, ceil_div(cols, BLOCK_SIZE), BLOCK_SIZE)
     codes = e8m0_codes(block_amax(x, BLOCK_SIZE), fp8_dtype, scale_rounding)
     element_scale = exact_pow2(127 - codes.int().clamp(max=254))
-    data = to_fp8_saturating(blocks * element_scale[:, :, None], fp8_dtype)
-    return data.reshape(rows, blocks.shape[1] * BLOCK_SIZE)[:, :cols].contiguous(), codes
+    return to_fp8_saturating(times_block_scales(x, element_scale, along_rows=True), fp8_dtype).contiguous(), codes
 
 
 def quantize_column_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str):
@@ -76,21 +85,16 @@ def quantize_column_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, scale_roundi
     amax = blocks.abs().amax(dim=1) if blocks.numel() else x.new_zeros(blocks.shape[0], cols)
     codes = e8m0_codes(amax, fp8_dtype, scale_rounding)
     element_scale = exact_pow2(127 - codes.int().clamp(max=254))
-    data = to_fp8_saturating(blocks * element_scale[:, None, :], fp8_dtype)
-    return data.reshape(blocks.shape[0] * BLOCK_SIZE, cols)[:rows], codes
+    return to_fp8_saturating(times_block_scales(x, element_scale, along_rows=False), fp8_dtype), codes
 
 
 def dequantize_row_blocks(data: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    rows, cols = data.shape
-    blocks = pad_to_multiple(data.float(), BLOCK_SIZE, dim=1).reshape(rows, codes.shape[1], BLOCK_SIZE)
-    return (blocks * decode_scales(codes)[:, :, None]).reshape(rows, blocks.shape[1] * BLOCK_SIZE)[:, :cols].contiguous()
+    return times_block_scales(data.float(), decode_scales(codes), along_rows=True).contiguous()
 
 
 def dequantize_column_blocks(data: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """dequantize_row_blocks of `data.t()`, transposed back, computed in place."""
-    rows, cols = data.shape
-    blocks = pad_to_multiple(data.float(), BLOCK_SIZE, dim=0).reshape(codes.shape[0], BLOCK_SIZE, cols)
-    return (blocks * decode_scales(codes)[:, None, :]).reshape(blocks.shape[0] * BLOCK_SIZE, cols)[:rows]
+    return times_block_scales(data.float(), decode_scales(codes), along_rows=False)
 
 
 class MXFP8Storage(Storage):
