@@ -18,8 +18,11 @@ start)
         corpus=(--corpus /tmp/corpus/lib)
     fi
     mkdir -p "$DIR"
-    PYTHONPATH=$PWD PYTHONUNBUFFERED=1 setsid nohup python3 -m qtensor.study --out "$DIR" "${corpus[@]}" "$@" \
-        >"$DIR/study.log" 2>&1 </dev/null &
+    # With SPEED_RUNS set (e.g. "all"), those runs are then timed alone once the training is over.
+    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+    setsid nohup bash -c 'python3 -m qtensor.study "$@" && if [ -n "${SPEED_RUNS:-}" ]; then
+            python3 -m qtensor.study "$@" --runs "$SPEED_RUNS" --speed-only --speed-steps 20; fi' \
+        study --out "$DIR" "${corpus[@]}" "$@" >"$DIR/study.log" 2>&1 </dev/null &
     echo $! >"$DIR/pid"
     echo "started: pid $(cat "$DIR/pid"), log $DIR/study.log"
     ;;

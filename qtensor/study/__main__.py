@@ -40,6 +40,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--speed-steps", type=int, default=20, help="steps timed per run alone after training (0: none)")
     parser.add_argument("--diagnose", action="store_true", help="after bf16 trains, measure each recipe's GEMM errors on its operands")
+    parser.add_argument("--speed-only", action="store_true", help="train nothing: only time the runs alone (speed.csv)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one run of a --jobs study: no table
     for field in fields(ModelConfig):
         if field.name != "vocabulary":
@@ -122,7 +123,9 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     corpus = load_corpus(args.corpus)
     config, options, device = config_of(args), options_of(args), torch.device(args.device)
-    if args.jobs > 1 and len(names) > 1:
+    if args.speed_only:
+        pass
+    elif args.jobs > 1 and len(names) > 1:
         print(corpus.describe(), flush=True)
         train_in_processes(args, names)
     else:

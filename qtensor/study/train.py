@@ -49,6 +49,9 @@ def study_runs() -> dict[str, StudyRun]:
     runs = [
         StudyRun("bf16", None, about="the baseline: bf16 autocast, fp32 parameters"),
         StudyRun("bf16-seed1", None, seed_offset=1, about="bf16 from another seed: other initial weights and batches"),
+        StudyRun("bf16-seed2", None, seed_offset=2, about="bf16 from a third seed"),
+        StudyRun("bf16-seed3", None, seed_offset=3, about="bf16 from a fourth seed"),
+        StudyRun("bf16-rerun", None, about="bf16 again from the same seed: the GPU's own run-to-run differences"),
         StudyRun("float8_current", Recipe(recipes.float8_current())),
         StudyRun("float8_delayed", Recipe(recipes.float8_delayed())),
         StudyRun("mxfp8", Recipe(recipes.mxfp8())),
@@ -64,7 +67,7 @@ def study_runs() -> dict[str, StudyRun]:
     return {run.name: run for run in runs}
 
 
-MAIN_RUNS = list(study_runs())[:9]
+MAIN_RUNS = [name for name in study_runs() if name in ("bf16", "bf16-seed1") or not name.startswith("bf16")][:9]
 
 
 @dataclass
