@@ -115,9 +115,12 @@ def prepare(run: StudyRun, config: ModelConfig, options: TrainOptions, device: t
         kept = [f"blocks.{index}" for index in range(config.blocks - run.high_precision_last, config.blocks)]
         report = quantize_(model, run.recipe, weights=run.weights, exclude=["head", *kept])
     torch.manual_seed(seed)  # stochastic rounding draws from torch's generator: the same in every run
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "position" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "embed" not in n and "position" not in n)]
-    groups = [{"params": decay, "weight_decay": options.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    # Weight decay on the matrices of the linear layers; none on norms and embedding tables.
+    decays = {name: p.dim() == 2 and not name.startswith(("embed.", "position.")) for name, p in model.named_parameters()}
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if decays[n]], "weight_decay": options.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if not decays[n]], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=options.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     if run.weights == "quantized":
         optimizer = MasterWeights(optimizer)
