@@ -5,8 +5,9 @@
 #   benchmarks/convergence.sh wait SECONDS                     wait for it, at most SECONDS; print its
 #                                                              progress; pack the results into $OUT
 #
-# If .corpus/lib.tar.xz is there (a standard library's sources, packed on another machine), the
-# study reads that instead of this interpreter's standard library: see docs/convergence.md.
+# If .corpus/lib.tar.xz exists (made by you: a tar.xz whose top folder lib/ holds a standard
+# library's .py files, for a GPU machine whose Python ships fewer of them), the study reads it
+# (--corpus) instead of this interpreter's standard library: see docs/convergence.md.
 set -euo pipefail
 DIR=${STUDY_DIR:-/tmp/study}
 case "${1:-}" in

@@ -196,6 +196,31 @@ def test_backward_overrides_measure_the_operands_their_backward_uses():
     assert 0 < dequantized["dgrad"] < quantized["dgrad"] and 0 < dequantized["wgrad"] < quantized["wgrad"]
 
 
+@pytest.mark.parametrize("recipe", [
+    Recipe(recipes.mxfp8()),
+    Recipe(recipes.nvfp4(stochastic_rounding=False)),
+    Recipe(recipes.mxfp8_fwd_nvfp4_bwd(stochastic_rounding=False), backward_override="dequantized"),
+], ids=["mxfp8", "nvfp4", "hybrid-dequantized_bwd"])
+def test_the_diagnosis_measures_what_a_quantized_layer_computes(recipe):
+    """The errors the diagnosis reports are those of a quantized nn.Linear's own forward and backward
+    on the same operands (up to the layer's bf16 output rounding, well under the quantization's)."""
+    ops = _operands(2)
+    layer = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(ops["w"])
+    qtensor.quantize_(layer, recipe)
+    x = ops["x"].clone().requires_grad_()
+    layer(x).backward(ops["dy"])
+    with torch.no_grad():
+        y = layer(ops["x"])
+    x64, w64, dy64 = (ops[k].double() for k in ("x", "w", "dy"))
+    relative = lambda approx, exact: float(torch.linalg.norm(approx.double() - exact) / torch.linalg.norm(exact))
+    measured = {"fprop": relative(y, x64 @ w64.T), "dgrad": relative(x.grad, dy64 @ w64), "wgrad": relative(layer.weight.grad, dy64.T @ x64)}
+    reported = gemm_errors("layer", ops, recipe)
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        assert measured[gemm] == pytest.approx(reported[gemm], rel=0.05), gemm
+
+
 def test_capture_takes_each_linear_layers_operands_from_one_step():
     config = ModelConfig(blocks=1, width=32, heads=2, hidden=64, length=8)
     model = build_model(config, 0, torch.device("cpu"))

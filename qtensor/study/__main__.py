@@ -1,8 +1,8 @@
 """The convergence study: train the byte-level decoder once per recipe on the standard library's
 sources, and write the losses as CSV.
 
-    python -m qtensor.study --out DIR                      every run, one after another
-    python -m qtensor.study --out DIR --jobs 9             every run in its own process, all at once
+    python -m qtensor.study --out DIR                      the main runs (--runs main), one after another
+    python -m qtensor.study --out DIR --jobs 9             the same, each in its own process, all at once
     python -m qtensor.study --out DIR --runs bf16,mxfp8    some runs
     python -m qtensor.study.report DIR --plot curves.png   the table and the curves, from the files
 

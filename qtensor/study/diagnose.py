@@ -1,6 +1,6 @@
 """Which GEMM of which layer a recipe disturbs most: relative errors measured on a trained model.
 
-For every linear layer of a bf16 model, one training batch's operands are captured as autocast gives
+For every linear layer of a bf16 model, one batch of training data's operands are captured as autocast gives
 them to the layer: the input X and weight W (bf16) and the gradient dY of the output (bf16). Each
 recipe's quantizers for that layer then make the operands of its three GEMMs, as a quantized linear
 layer runs them:
