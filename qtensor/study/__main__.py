@@ -124,13 +124,12 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     corpus = load_corpus(args.corpus)
     config, options, device = config_of(args), options_of(args), torch.device(args.device)
+    print(corpus.describe(), flush=True)
     if args.speed_only:
-        pass
+        pass  # the runs were trained before: time them alone
     elif args.jobs > 1 and len(names) > 1:
-        print(corpus.describe(), flush=True)
         train_in_processes(args, names)
     else:
-        print(corpus.describe(), flush=True)
         for name in names:
             result = train(study_runs()[name], corpus, config, options, device, args.out, progress=lambda line: print(line, flush=True))
             if args.diagnose and name == "bf16":

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import recipes
-from ..optim import MasterWeights
 from ..quantize import quantize_
 from ..recipe import Recipe
 from .corpus import Batches, Corpus, validation_starts, windows
@@ -35,7 +34,6 @@ class StudyRun:
     name: str  # also the file name of its CSV
     recipe: Recipe | None  # None: the bf16 baseline
     seed_offset: int = 0  # added to the study's seed: other initial weights and batches
-    weights: str = "dynamic"
     high_precision_last: int = 0  # the last blocks kept in high precision (as the output head)
     about: str = ""
 
@@ -113,7 +111,7 @@ def prepare(run: StudyRun, config: ModelConfig, options: TrainOptions, device: t
     report = None
     if run.recipe is not None:
         kept = [f"blocks.{index}" for index in range(config.blocks - run.high_precision_last, config.blocks)]
-        report = quantize_(model, run.recipe, weights=run.weights, exclude=["head", *kept])
+        report = quantize_(model, run.recipe, exclude=["head", *kept])
     torch.manual_seed(seed)  # stochastic rounding draws from torch's generator: the same in every run
     # Weight decay on the matrices of the linear layers; none on norms and embedding tables.
     decays = {name: p.dim() == 2 and not name.startswith(("embed.", "position.")) for name, p in model.named_parameters()}
@@ -122,8 +120,6 @@ def prepare(run: StudyRun, config: ModelConfig, options: TrainOptions, device: t
         {"params": [p for n, p in model.named_parameters() if not decays[n]], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=options.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    if run.weights == "quantized":
-        optimizer = MasterWeights(optimizer)
     return model, optimizer, report
 
 
@@ -131,6 +127,16 @@ def loss_of(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
         logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def train_step(model: Decoder, optimizer, tokens: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; returns the loss and the gradient norm before clipping (not synced)."""
+    loss = loss_of(model, tokens)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
 
 
 @torch.no_grad()
@@ -165,11 +171,7 @@ def train(run: StudyRun, corpus: Corpus, config: ModelConfig, options: TrainOpti
             start = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = schedule.lr(step)
-            loss = loss_of(model, tokens)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss, grad_norm = train_step(model, optimizer, tokens, options.clip)
             loss, grad_norm = loss.item(), grad_norm.item()  # waits for the step
             seconds += time.perf_counter() - start
             val = ""
@@ -186,7 +188,6 @@ def train(run: StudyRun, corpus: Corpus, config: ModelConfig, options: TrainOpti
     summary = {
         "name": run.name,
         "recipe": repr(run.recipe) if run.recipe is not None else "bf16",
-        "weights": run.weights,
         "seed": options.seed + run.seed_offset,
         "final_val_loss": final,
         "final_val_windows": options.final_val_windows,
@@ -216,10 +217,7 @@ def measure_speed(run: StudyRun, corpus: Corpus, config: ModelConfig, options: T
     batches = Batches(corpus.train, options.batch, config.length, options.seed)
 
     def step():
-        loss_of(model, batches.next().to(device)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, batches.next().to(device), options.clip)
 
     for _ in range(3):
         step()
