@@ -75,12 +75,15 @@ def _finish(product: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.d
 
 # ---- fast backends ---------------------------------------------------------------------------------
 # Each takes the two operands' forms in a list it may empty (a bf16 form is as large as its operand
-# and is freed before the epilogue), the bias and the output dtype; None where it cannot take them.
-def _float8_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+# and is freed before the epilogue), the bias, the output dtype and whether the caller allows the
+# tensor cores' fast (reduced-precision) accumulation; None where it cannot take them.
+def _float8_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor | None:
     """FP8 × FP8 with one scale per tensor (`Storage.fp8_tensorwise_operand`) on the FP8 tensor
     cores: A row-major, B column-major (the transpose of an operand whose reduction dimension is
     contiguous), one fp32 scale each; the bias add and the output cast happen in the GEMM's
-    epilogue. None where `_scaled_mm` cannot take the shapes."""
+    epilogue. With `fast_accumulation` the partial sums stay in the tensor cores' accumulator over
+    all of K (docs/numerics.md, FP8 GEMMs), else they are promoted to fp32 chunk by chunk. None
+    where `_scaled_mm` cannot take the shapes."""
     a, b = forms
     (m, k), (n, k_b) = a.data.shape, b.data.shape
     if k != k_b or m % 16 or n % 16 or k % 16 or not (a.data.is_contiguous() and b.data.is_contiguous()):
@@ -89,7 +92,8 @@ def _float8_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.d
         return None  # no E5M2 × E5M2 tensor-core GEMM
     fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
     product = torch._scaled_mm(
-        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias if fused_bias else None, out_dtype=out_dtype
+        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias if fused_bias else None, out_dtype=out_dtype,
+        use_fast_accum=fast_accumulation,
     )
     if bias is not None and not fused_bias:
         product = (product.float() + bias.float()).to(out_dtype) if out_dtype != torch.float32 else product + bias.float()
@@ -111,10 +115,11 @@ def _fp32_reductions():
         matmul.allow_bf16_reduced_precision_reduction = True
 
 
-def _dequantized_bf16_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+def _dequantized_bf16_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor | None:
     """Operands whose values bf16 holds exactly (`Storage.bf16_operand`), each dequantized to bf16
     for this GEMM only, on the bf16 tensor cores: the products are exact in fp32 and summed in
-    fp32; the operands' tensor scales multiply the fp32 result."""
+    fp32 (always: `fast_accumulation` is not used); the operands' tensor scales multiply the fp32
+    result."""
     (a16, a_scale), (b16, b_scale) = forms
     forms.clear()  # the caller's only reference: `del` below then frees the bf16 operands
     if a16.shape[1] != b16.shape[1]:
@@ -190,7 +195,7 @@ def _block_scaling(operand):
     }.get((operand.block_size, operand.scales.dtype))
 
 
-def _block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+def _block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor | None:
     """Two operands of one block scaling (`Storage.block_scaled_operand`) on Blackwell's
     block-scaled tensor cores; their tensor scales multiply the fp32 result, as on the bf16 path.
     None where the shapes do not fit: K a multiple of 32, rows of 16."""
@@ -216,14 +221,14 @@ def _block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dt
 class Backend:
     """A fast GEMM. `operand` names the Storage method that gives the form it multiplies, which both
     storages must offer; `capable` tests the device; `gemm` computes the product (see the fast
-    backends above). `exclusive`: a pair whose storages both offer the form runs here or on the
+    backends above) and may use reduced-precision accumulation only where it is allowed to. `exclusive`: a pair whose storages both offer the form runs here or on the
     reference, never on a later backend (its form is asked for even where the device fails the
     test, so it must be cheap: `Storage.fp8_tensorwise_operand`)."""
 
     name: str
     operand: str
     capable: Callable[[torch.device], bool]
-    gemm: Callable[[list, torch.Tensor | None, torch.dtype], torch.Tensor | None]
+    gemm: Callable[[list, torch.Tensor | None, torch.dtype, bool], torch.Tensor | None]
     exclusive: bool = False
 
 
@@ -248,7 +253,7 @@ def _forms(method: str, a, b) -> list | None:
     return None if b_form is None else [a_form, b_form]
 
 
-def _fast_product(a, b, device: torch.device, bias, out_dtype) -> tuple[str, torch.Tensor] | None:
+def _fast_product(a, b, device: torch.device, bias, out_dtype, fast_accumulation) -> tuple[str, torch.Tensor] | None:
     """(backend name, C) by the first backend of BACKENDS that takes storages `a` and `b`, or None."""
     if a.reduction_transform() != b.reduction_transform():
         return None  # the stored values lie in different domains: only the reference undoes a transform
@@ -259,7 +264,7 @@ def _fast_product(a, b, device: torch.device, bias, out_dtype) -> tuple[str, tor
         forms = _forms(backend.operand, a, b)
         if forms is None:
             continue
-        product = backend.gemm(forms, bias, out_dtype) if capable else None
+        product = backend.gemm(forms, bias, out_dtype, fast_accumulation) if capable else None
         if product is not None:
             return backend.name, product
         if backend.exclusive:
@@ -291,10 +296,10 @@ def _count(name: str) -> None:
         _backend_counts[name] = _backend_counts.get(name, 0) + 1
 
 
-def _nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bias, out_dtype) -> torch.Tensor:
+def _nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bias, out_dtype, fast_accumulation=False) -> torch.Tensor:
     """C = A · Bᵀ, A and B each one direction of an operand whose reduction dimension is contiguous."""
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and not a.is_meta:
-        fast = _fast_product(a.storage_for(a_direction), b.storage_for(b_direction), a.device, bias, out_dtype)
+        fast = _fast_product(a.storage_for(a_direction), b.storage_for(b_direction), a.device, bias, out_dtype, fast_accumulation)
         if fast is not None:
             name, product = fast
             _count(name)
@@ -309,9 +314,10 @@ def _k_last(tensor: torch.Tensor, direction: str) -> torch.Tensor:
     return values if direction == "rowwise" else values.t()
 
 
-def fprop(x: torch.Tensor, weight: torch.Tensor, bias=None, out_dtype=torch.float32) -> torch.Tensor:
-    """Y [M, N] = X [M, K] · W [N, K]ᵀ (+ bias), in `out_dtype`."""
-    return _nt(x, "rowwise", weight, "rowwise", bias, out_dtype)
+def fprop(x: torch.Tensor, weight: torch.Tensor, bias=None, out_dtype=torch.float32, *, fast_accumulation: bool = False) -> torch.Tensor:
+    """Y [M, N] = X [M, K] · W [N, K]ᵀ (+ bias), in `out_dtype`; `fast_accumulation` allows the FP8
+    tensor cores' fast accumulation (the reference and the other backends are unaffected)."""
+    return _nt(x, "rowwise", weight, "rowwise", bias, out_dtype, fast_accumulation)
 
 
 def dgrad(grad_output: torch.Tensor, weight: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:

@@ -4,6 +4,13 @@ Each entry is the fast twin of one pure-torch reference function and is bit-iden
 on the GPU). `lookup(name, tensor)` gives the kernel where it applies (a CUDA tensor, Triton
 importable) and None otherwise; the caller then runs the reference, which stays the CPU path and
 the oracle. `reference_kernels()` (or QTENSOR_KERNELS=reference) makes every lookup miss.
+
+Traced by torch.compile, the Float8 and MXFP8 casts, their amaxes and dequantizes (`TRACED`) trace
+their pure-torch references, which are exact under the compiler too (docs/compile.md), so inductor
+fuses them with their neighbours: the amax into the producer's kernel (an RMSNorm, a SiLU·mul, a
+residual add), the codes of both directions into one kernel. The other kernels reach the compiled
+graph as custom ops (qtensor_kernels/compiled.py). QTENSOR_COMPILED_CASTS=custom_ops makes the
+traced ones custom ops too (to compare the two).
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ TABLE: dict[str, tuple[str, str]] = {
     "gemm.scale_output": ("qtensor_kernels.gemm", "scale_output"),  # gemm._scale_and_finish
 }
 
+# The kernels whose reference the compiler traces and fuses (see the module's docstring).
+TRACED = frozenset({"finite_amax", "float8.cast", "float8.amax_partials", "float8.dequantize", "mxfp8.cast", "mxfp8.dequantize"})
+_traced_under_compile = os.environ.get("QTENSOR_COMPILED_CASTS", "traced") != "custom_ops"
+
 # A switch (per thread and task): QTENSOR_KERNELS=reference sets it for the whole process.
 _forced_reference = contextvars.ContextVar("qtensor_reference_kernels", default=os.environ.get("QTENSOR_KERNELS", "") == "reference")
 
@@ -58,8 +69,10 @@ def lookup(name: str, tensor) -> Callable | None:
     if _forced_reference.get() or tensor.device.type != "cuda":
         return None
     if torch.compiler.is_compiling() or is_fake(tensor):
-        # Traced by torch.compile: the kernel as a custom op (qtensor_kernels/compiled.py), which the
-        # compiled graph calls; a kernel without one traces its reference, which inductor fuses.
+        # Traced by torch.compile: the reference of a TRACED kernel, which inductor fuses; any other
+        # kernel as a custom op (qtensor_kernels/compiled.py), which the compiled graph calls.
+        if name in TRACED and _traced_under_compile:
+            return None
         return _compiled_wrappers().get(name)
     if name not in _resolved:
         module_name, function = TABLE[name]

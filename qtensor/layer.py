@@ -64,6 +64,10 @@ class LinearQuantizers:
     # as [in_features, out_features]. A dynamic weight keeps that layout; a quantized one is held
     # as [out_features, in_features], the layout every GEMM of the layer reads.
     transposed: bool = False
+    # fprop on the FP8 tensor cores with their fast accumulation (partial sums kept in the tensor
+    # cores' reduced-precision accumulator over all of K); dgrad and wgrad always keep the split
+    # fp32 accumulator. Only the FP8 tensor-core GEMM reads it (docs/design.md, The three GEMMs).
+    fprop_fast_accumulation: bool = False
     running: LayerRunning = field(default_factory=LayerRunning, compare=False, hash=False, repr=False)
 
     @property
@@ -74,6 +78,8 @@ class LinearQuantizers:
         parts = [f"{role}={q.describe() if q is not None else 'high precision'}" for role, q in self.roles().items()]
         if self.backward_override:
             parts.append(f"backward={self.backward_override}")
+        if self.fprop_fast_accumulation:
+            parts.append("fprop fast accumulation")
         return ", ".join(parts)
 
     def roles(self) -> dict[str, Quantizer | None]:

@@ -125,7 +125,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
             notes.extend(weight_notes)
             running.recorded_weight = version
 
-        y = gemm.fprop(x_q, w_q, bias, _output_dtype(x, weight))
+        y = gemm.fprop(x_q, w_q, bias, _output_dtype(x, weight), fast_accumulation=linear.fprop_fast_accumulation)
         # Not a view of y (torch._unsafe_view, as torch's own linear): FSDP2 warns about modules returning views.
         out = torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 

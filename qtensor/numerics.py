@@ -119,11 +119,21 @@ def fp32(value: float, device=None) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=device)
 
 
+def exact_quotient(numerator, denominator: torch.Tensor) -> torch.Tensor:
+    """fp32 `numerator / denominator` correctly rounded, also where a compiler lowers fp32 division to
+    an approximate one (Triton's `/` is within 2 ulp): taken in fp64, whose division every backend
+    rounds correctly, then rounded to fp32. Rounding twice gives the once-rounded fp32 quotient
+    because fp64 carries more than twice fp32's 24 bits plus two (a known property of division)."""
+    if not isinstance(numerator, torch.Tensor):
+        numerator = torch.full((), numerator, dtype=torch.float64, device=denominator.device)
+    return (numerator.double() / denominator.double()).float()
+
+
 def scale_from_amax(amax: torch.Tensor, max_value: float, margin: int = 0) -> torch.Tensor:
     """fp32 `(max_value / amax) / 2**margin`, 1 when amax is 0, FLT_MAX when it overflows."""
-    scale = fp32(max_value, amax.device) / amax
-    if margin:
-        scale = scale / fp32(2.0**margin, amax.device)
+    scale = exact_quotient(fp32(max_value, amax.device), amax)
+    if margin:  # a power of two: exact in fp32
+        scale = scale * fp32(2.0**-margin, amax.device)
     scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
     return torch.where(amax == 0, 1.0, scale)
 

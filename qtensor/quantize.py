@@ -176,6 +176,7 @@ def quantize_(
             linear = LinearQuantizers(
                 **quantizers,
                 backward_override=recipe.backward_override,
+                fprop_fast_accumulation=recipe.fprop_fast_accumulation,
                 name=site.layer,
                 parameter="" if site.attribute == "weight" else site.parameter,
                 transposed=site.transposed,

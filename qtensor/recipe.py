@@ -30,9 +30,13 @@ class Recipe:
     `backward_override=None` runs the backward GEMMs as the factory says; `"high_precision"` runs
     them on the original input and weight and the unquantized gradient; `"dequantized"` on the
     dequantized forward-quantized input and weight and the unquantized gradient.
+
+    `fprop_fast_accumulation` runs the forward GEMM with the FP8 tensor cores' fast accumulation
+    where it runs on them (the backward GEMMs never do); None takes the factory's own choice (its
+    `fprop_fast_accumulation` attribute: on for the ready Float8 recipes), else off.
     """
 
-    def __init__(self, factory: Factory, backward_override: str | None = None):
+    def __init__(self, factory: Factory, backward_override: str | None = None, fprop_fast_accumulation: bool | None = None):
         if not callable(factory):
             raise TypeError(f"Recipe needs a callable factory(role) -> Quantizer | None, got {factory!r}.")
         if not _takes_one_argument(factory):
@@ -42,8 +46,13 @@ class Recipe:
             )
         if backward_override not in BACKWARD_OVERRIDES:
             raise ValueError(f"Recipe: backward_override must be one of {BACKWARD_OVERRIDES}, got {backward_override!r}.")
+        if fprop_fast_accumulation is None:
+            fprop_fast_accumulation = getattr(factory, "fprop_fast_accumulation", False)
+        if not isinstance(fprop_fast_accumulation, bool):
+            raise ValueError(f"Recipe: fprop_fast_accumulation must be True, False or None, got {fprop_fast_accumulation!r}.")
         self.factory = factory
         self.backward_override = backward_override
+        self.fprop_fast_accumulation = fprop_fast_accumulation
 
     def quantizers_for(self, module_type: str, name: str) -> dict[str, Quantizer | None]:
         """Ask the factory for each tensor type of one module; check what it returns."""
@@ -68,7 +77,10 @@ class Recipe:
         return chosen
 
     def __repr__(self) -> str:
-        return f"Recipe({self.factory!r}, backward_override={self.backward_override!r})"
+        return (
+            f"Recipe({self.factory!r}, backward_override={self.backward_override!r}, "
+            f"fprop_fast_accumulation={self.fprop_fast_accumulation!r})"
+        )
 
 
 def _takes_one_argument(factory) -> bool:

@@ -23,10 +23,15 @@ class ByTensorType:
     """A factory that makes a new quantizer per linear layer and tensor type. Each maker is called
     once here, so a bad option raises when the recipe is made, not at quantize_ time."""
 
-    def __init__(self, name: str, input: Callable[[], Quantizer], weight: Callable[[], Quantizer], grad_output: Callable[[], Quantizer], options: dict | None = None):
+    def __init__(
+        self, name: str, input: Callable[[], Quantizer], weight: Callable[[], Quantizer], grad_output: Callable[[], Quantizer],
+        options: dict | None = None, fprop_fast_accumulation: bool = False,
+    ):
         self.name = name
         self.makers = {"input": input, "weight": weight, "grad_output": grad_output}
         self.options = options or {}
+        # Read by Recipe: the forward GEMM on the FP8 tensor cores' fast accumulation.
+        self.fprop_fast_accumulation = fprop_fast_accumulation
         for make in self.makers.values():
             make()
 
@@ -55,16 +60,23 @@ def float8_current(
     grad_fp8_dtype: torch.dtype = torch.float8_e5m2,
     amax_epsilon: float = 0.0,
     force_pow_2_scales: bool = False,
+    fprop_fast_accumulation: bool = True,
 ) -> ByTensorType:
     """Per-tensor FP8 with current scaling: `fp8_dtype` (E4M3) for input and weight, `grad_fp8_dtype`
-    (E5M2) for the gradient; `amax_epsilon` and `force_pow_2_scales` as `Float8Quantizer` takes them."""
+    (E5M2) for the gradient; `amax_epsilon` and `force_pow_2_scales` as `Float8Quantizer` takes them;
+    `fprop_fast_accumulation`: the forward GEMM on the FP8 tensor cores' fast accumulation (dgrad
+    and wgrad keep the split fp32 accumulator; docs/numerics.md, FP8 GEMMs)."""
     options = dict(amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales)
     return ByTensorType(
         "float8_current",
         input=lambda: Float8Quantizer(fp8_dtype, **options),
         weight=lambda: Float8Quantizer(fp8_dtype, **options),
         grad_output=lambda: Float8Quantizer(grad_fp8_dtype, **options),
-        options=_changed(_defaults(float8_current), dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, **options)),
+        options=_changed(
+            _defaults(float8_current),
+            dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, fprop_fast_accumulation=fprop_fast_accumulation, **options),
+        ),
+        fprop_fast_accumulation=fprop_fast_accumulation,
     )
 
 
@@ -77,10 +89,12 @@ def float8_delayed(
     margin: int = 0,
     amax_epsilon: float = 0.0,
     force_pow_2_scales: bool = False,
+    fprop_fast_accumulation: bool = True,
 ) -> ByTensorType:
     """Per-tensor FP8 with delayed scaling (an amax history per tensor): `fp8_dtype` (E4M3) for input
     and weight, `grad_fp8_dtype` (E5M2) for the gradient; the history's length, how it is reduced
-    (`"max"` or `"most_recent"`) and the `margin` (scale / 2**margin) as `Float8Quantizer` takes them."""
+    (`"max"` or `"most_recent"`) and the `margin` (scale / 2**margin) as `Float8Quantizer` takes them;
+    `fprop_fast_accumulation` as in `float8_current`."""
     options = dict(
         amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo, margin=margin,
         amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,
@@ -90,7 +104,11 @@ def float8_delayed(
         input=lambda: Float8Quantizer(fp8_dtype, scaling="delayed", **options),
         weight=lambda: Float8Quantizer(fp8_dtype, scaling="delayed", **options),
         grad_output=lambda: Float8Quantizer(grad_fp8_dtype, scaling="delayed", **options),
-        options=_changed(_defaults(float8_delayed), dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, **options)),
+        options=_changed(
+            _defaults(float8_delayed),
+            dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, fprop_fast_accumulation=fprop_fast_accumulation, **options),
+        ),
+        fprop_fast_accumulation=fprop_fast_accumulation,
     )
 
 

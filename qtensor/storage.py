@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .numerics import cast_saturating, ceil_div, fp32, scale_from_amax
+from .numerics import cast_saturating, ceil_div, exact_quotient, scale_from_amax
 
 DIRECTIONS = ("rowwise", "columnwise")
 
@@ -91,7 +91,7 @@ class TensorScale:
         """The factor as a 0-d fp32 tensor (the reference computation)."""
         if self.amax_max is None:
             return self.tensor
-        return fp32(1.0, self.tensor.device) / scale_from_amax(self.tensor, self.amax_max)
+        return exact_quotient(1.0, scale_from_amax(self.tensor, self.amax_max))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from ..numerics import (
     FP8_DTYPES,
     check_choice,
     check_fp8_dtype,
+    exact_quotient,
     reduce_amax,
     sharded_quantization,
     tensor_amax,
@@ -24,10 +25,19 @@ from ..tensor import QuantizedTensor
 
 
 # ---- numerics ------------------------------------------------------------------------------------
+# E5M2's ±Inf codes. They are written as codes: a saturating conversion (the one compiled kernels
+# use) would clamp an infinity to the largest finite value.
+E5M2_INF_CODES = (0x7C, 0xFC)
+
+
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """`fp8(x * scale)`, saturating; NaN stays NaN, ±Inf becomes NaN (E4M3) or stays ±Inf (E5M2)."""
-    infinity_becomes = x if fp8_dtype == torch.float8_e5m2 else torch.full_like(x, float("nan"))
-    return to_fp8(torch.where(torch.isinf(x), infinity_becomes, saturate(x * scale, fp8_dtype)), fp8_dtype)
+    infinite = torch.isinf(x)
+    if fp8_dtype == torch.float8_e4m3fn:
+        return to_fp8(torch.where(infinite, float("nan"), saturate(x * scale, fp8_dtype)), fp8_dtype)
+    codes = to_fp8(saturate(x * scale, fp8_dtype), fp8_dtype).view(torch.uint8)
+    positive, negative = E5M2_INF_CODES
+    return torch.where(infinite, torch.where(x > 0, positive, negative).to(torch.uint8), codes).view(fp8_dtype)
 
 
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -168,7 +178,7 @@ class Float8Quantizer(Quantizer):
             row_data, col_data, scale_inv = self._cast_on_device(x, rowwise, columnwise, update_state)
         else:
             scale = self.compute_scale(x)
-            scale_inv = torch.reciprocal(scale)  # 1/scale, correctly rounded
+            scale_inv = exact_quotient(1.0, scale)  # 1/scale, correctly rounded
             if update_state and self.scaling == "delayed":
                 running_state.record(self, tensor_amax(x))
             row_data = quantize_per_tensor(x.float(), scale, self.fp8_dtype)
