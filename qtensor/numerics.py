@@ -64,7 +64,9 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax().float()
 
 
-# The process group over which tensor-wide amaxes are reduced (a context variable: per thread and task).
+# Where a tensor-wide amax comes from while one shard of a sharded tensor is cast: the process group
+# over which it is reduced, or a `PreReducedAmaxes` holding it already reduced (a context variable:
+# per thread and task).
 _amax_group: contextvars.ContextVar = contextvars.ContextVar("qtensor_amax_group", default=None)
 
 
@@ -79,24 +81,69 @@ def reduce_amax_over(group):
         _amax_group.reset(token)
 
 
+class PreReducedAmaxes:
+    """The tensor-wide amaxes of one cast, already reduced over the ranks, in the order the cast asks
+    for them (`Quantizer.tensor_amaxes`): each `tensor_amax` / `reduce_amax` takes the next."""
+
+    def __init__(self, amaxes, owner: str):
+        self.amaxes, self.owner, self.taken = list(amaxes), owner, 0
+
+    def take(self) -> torch.Tensor:
+        if self.taken == len(self.amaxes):
+            raise RuntimeError(
+                f"{self.owner}: its cast asks for more tensor-wide amaxes than the {len(self.amaxes)} reduced "
+                "before it; the quantizer's tensor_amaxes() must list every amax its cast reduces, in order."
+            )
+        self.taken += 1
+        return self.amaxes[self.taken - 1]
+
+
+@contextlib.contextmanager
+def pre_reduced_amaxes(amaxes, owner: str):
+    """Inside, the cast of one shard takes its tensor-wide amaxes from `amaxes` (each already the MAX
+    over the ranks) instead of reducing them; on leaving, every one of them must have been taken."""
+    queue = PreReducedAmaxes(amaxes, owner)
+    token = _amax_group.set(queue)
+    try:
+        yield
+    finally:
+        _amax_group.reset(token)
+    if queue.taken != len(queue.amaxes):
+        raise RuntimeError(
+            f"{owner}: its cast took {queue.taken} tensor-wide amaxes of the {len(queue.amaxes)} reduced before it; "
+            "the quantizer's tensor_amaxes() must list exactly the amaxes its cast reduces, in order."
+        )
+
+
 def sharded_quantization() -> bool:
-    """True inside `reduce_amax_over`: the tensor being quantized is one shard of a larger one."""
+    """True inside `reduce_amax_over` or `pre_reduced_amaxes`: the tensor being quantized is one shard of a larger one."""
     return _amax_group.get() is not None
+
+
+def amaxes_pre_reduced() -> bool:
+    """True inside `pre_reduced_amaxes`: a cast need not compute its local amaxes (`tensor_amax` ignores them)."""
+    return isinstance(_amax_group.get(), PreReducedAmaxes)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """The amax that sets a tensor-wide scale: `finite_amax`, reduced over the ranks holding the
-    other shards when inside `reduce_amax_over`."""
+    other shards when inside `reduce_amax_over`, or the next pre-reduced one (`x` is not read)."""
+    source = _amax_group.get()
+    if isinstance(source, PreReducedAmaxes):
+        return source.take()
     return reduce_amax(finite_amax(x))
 
 
 def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
-    """`amax` (of this rank's shard) max-ed in place over `reduce_amax_over`'s group, if inside it."""
-    group = _amax_group.get()
-    if group is not None:
+    """`amax` (of this rank's shard) max-ed in place over `reduce_amax_over`'s group, if inside it;
+    inside `pre_reduced_amaxes`, the next pre-reduced amax instead."""
+    source = _amax_group.get()
+    if isinstance(source, PreReducedAmaxes):
+        return source.take()
+    if source is not None:
         import torch.distributed as dist
 
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=source)
     return amax
 
 

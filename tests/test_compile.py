@@ -179,12 +179,18 @@ def test_mxfp8_forward_and_backward_compile_under_inductor_on_the_cpu(weights):
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
+# The kernels each recipe's compiled graphs call as custom ops; the Float8 and MXFP8 casts, amaxes
+# and dequantizes are traced instead (qtensor/kernels.py, TRACED), so inductor fuses them.
 CUSTOM_OPS = {
-    "float8_current": {"qtensor.float8_cast", "qtensor.amax_partials"},
-    "mxfp8": {"qtensor.mxfp8_cast", "qtensor.mxfp8_dequantize"},
+    "float8_current": set(),
+    "mxfp8": set(),
     "nvfp4": {"qtensor.nvfp4_cast", "qtensor.nvfp4_amaxes", "qtensor.nvfp4_dequantize", "qtensor.scale_output"},
     "mxfp8_fwd_nvfp4_bwd": {"qtensor.hybrid_cast", "qtensor.nvfp4_cast", "qtensor.scale_output"},
-    "float8_delayed": {"qtensor.float8_delayed_scale", "qtensor.float8_cast_at_scale", "qtensor.float8_record_amax"},
+    "float8_delayed": {"qtensor.float8_record_amax"},
+}
+TRACED_OPS = {
+    "qtensor.finite_amax", "qtensor.amax_partials", "qtensor.float8_cast", "qtensor.float8_cast_at_scale",
+    "qtensor.float8_delayed_scale", "qtensor.float8_dequantize", "qtensor.mxfp8_cast", "qtensor.mxfp8_dequantize",
 }
 
 
@@ -192,9 +198,10 @@ CUSTOM_OPS = {
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_compiled_graphs_call_the_triton_kernels_as_custom_ops(recipe, weights):
-    """On CUDA the traced forward and backward call the kernels (qtensor_kernels/compiled.py) rather
-    than their references, and the compiled step equals the eager one (inductor, fp32)."""
+def test_compiled_graphs_trace_the_fusable_casts_and_call_the_other_kernels(recipe, weights):
+    """On CUDA the traced forward and backward hold the Float8 and MXFP8 casts as plain torch ops
+    (for inductor to fuse) and call the other kernels as custom ops (qtensor_kernels/compiled.py),
+    and the compiled step equals the eager one, which runs the Triton kernels (inductor, fp32)."""
     eager = mlp(recipe, weights).cuda()
     compiled_model = copy.deepcopy(eager)
     torch._dynamo.reset()
@@ -205,6 +212,7 @@ def test_compiled_graphs_call_the_triton_kernels_as_custom_ops(recipe, weights):
     code = "\n".join(g.code for g in recorder.fw_graphs + recorder.bw_graphs)
     missing = {op for op in CUSTOM_OPS[recipe] if op not in code}
     assert not missing, (missing, [line for line in code.splitlines() if "qtensor" in line or "copy_" in line])
+    assert not {op for op in TRACED_OPS if f"{op}." in code}
     torch._dynamo.reset()
     inductor = torch.compile(copy.deepcopy(eager))
     # Optimizer steps between the steps: a new version of each weight each step, whose amax eager
