@@ -71,22 +71,16 @@ def build(name, device, vocab):
     return model, (), None, m, ()
 
 
-def split(system):
-    """"nvfp4 compiled reduce-overhead" -> ("nvfp4", compiled, "reduce-overhead")."""
-    base, _, mode = system.partition(" compiled")
-    return base, system != base, mode.strip() or None
-
-
 def prepare(model, system, keep):
     """The system applied to a fresh model: its Float8 or qtensor layers, then torch.compile."""
-    base, compiled, mode = split(system)
+    base, _, mode = system.partition(" compiled")  # "nvfp4 compiled reduce-overhead": nvfp4, mode reduce-overhead
     if base.startswith("torchao "):
         config_class, convert = torchao_float8()
         config = config_class.from_recipe_name(base.removeprefix("torchao "))
         model = convert(model, config=config, module_filter_fn=lambda module, fqn: fqn not in keep)
     elif base != "bf16":
         qtensor.quantize_(model, getattr(qtensor.recipes, base)(), exclude=keep)
-    return torch.compile(model, mode=mode) if compiled else model
+    return torch.compile(model, mode=mode.strip() or None) if base != system else model
 
 
 def systems_for(name, args, have_torchao):
@@ -239,7 +233,7 @@ def main():
         model, _, _, _, keep = build(name, "meta", args.vocab)
         args.params[name] = sum(p.numel() for p in model.parameters())
         report = qtensor.quantize_(model, qtensor.recipes.float8_current(), exclude=keep)
-        print(f"{name}: {args.params[name]:,} parameters; {len(report.quantized)} linear layers quantized, in high precision: {', '.join(keep) or 'none'}")
+        print(f"{name}: {args.params[name]:,} parameters; quantized linear layers: {len(report.quantized)}; in high precision: {', '.join(keep) or 'none'}")
         print(f"  systems: {', '.join(systems_for(name, args, have_torchao))}")
     chosen = {s.removesuffix(f" {args.mode}") for name in models for s in systems_for(name, args, have_torchao)}
     if args.systems != "all" and (unknown := set(args.systems.split(",")) - chosen - {f"{s} {args.mode}" for s in chosen}):

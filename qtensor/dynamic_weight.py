@@ -11,7 +11,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import fsdp, layer_state, running_state
 from .layer import LinearQuantizers
-from .numerics import ceil_div, reduce_amax_over
+from .numerics import ceil_div, pre_reduced_amaxes, reduce_amax_over
+from .quantizer import fold_to_2d
 from .tensor import QuantizedTensor
 from .weight import GatheredCast, LayerWeight, quantized_weight, refuse_split_off_dim0
 
@@ -144,7 +145,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def __deepcopy__(self, memo):
         duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
         # The copy starts with its own write log and no cached quantized copies.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "_shard_cache")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "_shard_cache", "_batched_amaxes")}
         duplicate.__dict__.update(copy.deepcopy(state, memo))
         return duplicate
 
@@ -159,12 +160,12 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along
         # in_features, across the rows of what the GEMM reads, so it gathers its high-precision
         # values and is quantized at use, as on one process.
-        if linear.weight is None or linear.transposed:
+        if not self._casts_shard():
             padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
             padded[: values.shape[0]].copy_(values)
             fsdp.count_gather((padded,), mesh, outer_size)
             return (padded,), (None, outer_size, None)
-        quantized = self._quantized_shard(values, mesh)
+        quantized = self._quantized_shard(values, mesh, module)
         needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))
         inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, quantized)
@@ -188,22 +189,40 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         cast.notes, cast.version = quantized.shard_notes
         return result
 
-    def _quantized_shard(self, values: torch.Tensor, mesh) -> QuantizedTensor:
+    def _quantized_shard(self, values: torch.Tensor, mesh, module) -> QuantizedTensor:
         """The local shard quantized in both directions, once per version of the weight and of its
         quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
         process quantizes once), with tensor-wide amaxes reduced over the mesh so that every shard
-        shares one scale. Its amax notes travel with it, not written here."""
+        shares one scale: reduced before, for every stale dynamic weight of the model in one
+        collective (`_batched_amaxes`), or by the cast itself. Its amax notes travel with it, not
+        written here."""
         quantizer = self.linear_quantizers.weight
-        key = (self.values_version(), values.dtype, quantizer.state_version())
+        key = self._shard_key(values.dtype)
         cached = self.__dict__.get("_shard_cache")
         if cached is not None and cached[0] == key:
             return cached[1]
-        with running_state.noting() as notes, reduce_amax_over(mesh.get_group()), torch.autocast(values.device.type, enabled=False):
+        group = mesh.get_group()
+        amaxes = _batched_amaxes(self, values, key, group, module)
+        if amaxes is None:
+            reduction = reduce_amax_over(group)
+        else:
+            reduction = pre_reduced_amaxes(amaxes, self.linear_quantizers.parameter_name)
+        with running_state.noting() as notes, reduction, torch.autocast(values.device.type, enabled=False):
             cast = quantizer.quantize(values, rowwise=True, columnwise=True)
         quantized = quantized_weight(cast, self.linear_quantizers)
         quantized.shard_notes = (notes, (id(self._writes), key[0]))
         self._shard_cache = (key, quantized)
         return quantized
+
+    def _shard_key(self, dtype: torch.dtype) -> tuple:
+        """What the cast of the local shard depends on: the values' version and dtype, and the
+        weight quantizer's running state."""
+        return (self.values_version(), dtype, self.linear_quantizers.weight.state_version())
+
+    def _casts_shard(self) -> bool:
+        """Whether FSDP2's hook quantizes this shard (else it gathers high-precision values)."""
+        linear = self.linear_quantizers
+        return linear.weight is not None and not linear.transposed
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -225,6 +244,68 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
             return args[0]
         return out
+
+
+# ---- FSDP2: the tensor-wide amaxes of every stale shard of a model, reduced in one collective -----
+def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, group, module) -> list[torch.Tensor] | None:
+    """The tensor-wide amaxes of the cast of `weight`'s shard (`values`, `key`), already reduced over
+    `group`, or None: the cast reduces its own.
+
+    The first stale shard the hooks cast (values written since their last cast, by the optimizer
+    step or a load) reduces, in one all-reduce over `group`, its own local amaxes and those of every
+    other stale dynamic weight shard of its model gathered over that group, and keeps each shard's
+    reduced amaxes for that shard's cast later in the same forward. FSDP2 calls the hooks in the
+    same order on every rank and which shards are stale is the same on every rank, so every rank
+    issues this collective at the same point. A shard whose values change again before its cast,
+    one that FSDP2's state does not show (a model sharded above the one quantize_ was given, CPU
+    offloading), one whose quantizer does not declare its amaxes, and traced casts (torch.compile)
+    reduce their own amaxes as before."""
+    stored = weight.__dict__.pop("_batched_amaxes", None)
+    if stored is not None and stored[0] == key and stored[1] is group:
+        return stored[2]
+    if torch.compiler.is_compiling() or is_fake(weight._data) or weight._data.is_meta:
+        return None
+    running = weight.linear_quantizers.running
+    layer_group = fsdp.layer_param_group(running, module)
+    if layer_group is None or not any(p.local is weight for p in fsdp.sharded_parameters([layer_group])):
+        return None
+    with torch.autocast(values.device.type, enabled=False):
+        amaxes = weight.linear_quantizers.weight.tensor_amaxes(fold_to_2d(values), True, True)
+    if amaxes is None:
+        return None
+    batch = [(weight, key, amaxes)]  # (shard, the key of its cast, its local amaxes)
+    model = running.root() if running.root is not None else None
+    for parameter in fsdp.sharded_parameters(fsdp.param_groups(model)) if model is not None else ():
+        shard = parameter.local
+        if shard is weight or not isinstance(shard, DynamicWeight) or not shard._casts_shard() or shard._data.is_meta:
+            continue
+        if parameter.mesh.get_group() is not group:
+            continue
+        shard_values = shard._data if parameter.param_dtype is None else shard._data.to(parameter.param_dtype)
+        shard_key = shard._shard_key(shard_values.dtype)
+        if not _stale(shard, shard_key, group):
+            continue
+        with torch.autocast(shard_values.device.type, enabled=False):
+            shard_amaxes = shard.linear_quantizers.weight.tensor_amaxes(fold_to_2d(shard_values), True, True)
+        if shard_amaxes is not None:
+            batch.append((shard, shard_key, shard_amaxes))
+    flat = [amax.reshape(1).float() for _, _, shard_amaxes in batch for amax in shard_amaxes]
+    if flat:
+        import torch.distributed as dist
+
+        reduced = torch.cat(flat)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        reduced = iter(reduced.unbind())
+    taken = [[next(reduced).clone() for _ in shard_amaxes] for _, _, shard_amaxes in batch]
+    for (shard, shard_key, _), reduced_amaxes in zip(batch[1:], taken[1:]):
+        shard._batched_amaxes = (shard_key, group, reduced_amaxes)
+    return taken[0]
+
+
+def _stale(shard: DynamicWeight, key: tuple, group) -> bool:
+    """Whether the shard's next cast needs amaxes it neither holds cast nor has reduced already."""
+    cached, stored = shard.__dict__.get("_shard_cache"), shard.__dict__.get("_batched_amaxes")
+    return not (cached is not None and cached[0] == key) and not (stored is not None and stored[0] == key and stored[1] is group)
 
 
 def _write_back(target: DynamicWeight, source: DynamicWeight) -> DynamicWeight:

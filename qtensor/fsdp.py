@@ -74,14 +74,20 @@ def regathers_before_backward(running, module) -> bool | None:
     `quantize_` was given (`running.root`). None where that cannot be read (a torch whose FSDP2
     state looks different, a model sharded above the module quantize_ was given): the forward
     gather then also brings what the backward reads, which is correct and sends more bytes."""
+    try:
+        return bool(layer_param_group(running, module)._reshard_after_forward)
+    except AttributeError:
+        return None
+
+
+def layer_param_group(running, module):
+    """The FSDP2 parameter group holding the parameters of `module` (the module FSDP2 passes to the
+    hooks), found once under `running.root` and kept in `running.fsdp_group`; None if not found."""
     group = running.fsdp_group
     if group is None:
         # False: looked for and not found (not looked for again).
         group = running.fsdp_group = _param_group_of(module, running.root() if running.root is not None else None) or False
-    try:
-        return bool(group._reshard_after_forward)
-    except AttributeError:
-        return None
+    return group or None
 
 
 def _param_group_of(module, root):
@@ -99,6 +105,46 @@ def _param_group_of(module, root):
         if any(owner is module for owner in owners):
             return group
     return None
+
+
+@dataclass(frozen=True)
+class ShardedParameter:
+    """One parameter FSDP2 shards, as its hooks see it: the local shard they are called on, the mesh
+    and the dtype its values are gathered in (None: its own)."""
+
+    local: torch.Tensor
+    mesh: object
+    param_dtype: torch.dtype | None
+
+
+def sharded_parameters(groups) -> list[ShardedParameter]:
+    """Every parameter of FSDP2's parameter `groups`, in their order (the same on every rank).
+    Parameters it offloads to the CPU are left out: their hooks run on a copy made for each gather."""
+    found = []
+    for group in groups:
+        try:
+            for param in group.fsdp_params:
+                if not param.offload_to_cpu:
+                    found.append(ShardedParameter(param._sharded_local_tensor, param.shard_mesh_from_root, param.mp_policy.param_dtype))
+        except AttributeError:
+            continue
+    return found
+
+
+def param_groups(root):
+    """FSDP2's parameter groups under the module `root`, in the order of `root.modules()` (the same
+    on every rank); none where FSDP2's state cannot be read."""
+    for module in root.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            state = get_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            groups = [g for g in (groups if groups is not None else [state._fsdp_param_group]) if g is not None]
+        except (AttributeError, AssertionError):
+            continue
+        yield from groups
 
 
 def directions_needed(linear_quantizers, regather: bool | None) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:

@@ -66,7 +66,11 @@ def reference_kernels():
 
 
 def lookup(name: str, tensor) -> Callable | None:
-    if _forced_reference.get() or tensor.device.type != "cuda":
+    if tensor.device.type != "cuda":
+        return None
+    # Not read while torch.compile traces (dynamo cannot trace ContextVar.get): the switch governs
+    # eager calls, and a graph compiled inside it still calls the kernels below.
+    if not torch.compiler.is_compiling() and _forced_reference.get():
         return None
     if torch.compiler.is_compiling() or is_fake(tensor):
         # Traced by torch.compile: the reference of a TRACED kernel, which inductor fuses; any other

@@ -91,6 +91,15 @@ class Quantizer:
         """The quantizer that makes this quantizer's `direction` storage (a hybrid's child)."""
         return self
 
+    def tensor_amaxes(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor] | None:
+        """The tensor-wide amaxes a cast of the 2-D `x` in these directions reduces over the ranks
+        holding the other shards (each `tensor_amax` / `reduce_amax` it makes), computed on `x`
+        alone and in the order the cast asks for them; [] for a format without any. FSDP2 reduces
+        every dynamic weight's in one collective before their casts (dynamic_weight.py), which then
+        take them in that order (numerics.pre_reduced_amaxes). None, the default: not declared, so
+        this quantizer's casts reduce their own amaxes, one collective each."""
+        return None
+
     def state_buffers(self) -> dict[str, torch.Tensor]:
         """Running state, as named tensors (delayed scaling's amax history); empty when stateless.
         These are the live tensors: writing into them changes the quantizer."""

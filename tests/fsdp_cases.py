@@ -115,7 +115,8 @@ COMPILE_BACKEND = "inductor" if os.environ.get("QTENSOR_TEST_DEVICE", "cpu") == 
 def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = Net().to(device())
-    qtensor.quantize_(model, RECIPES[recipe](), weights=weights, strict=True)
+    recipe = RECIPES[recipe] if recipe in RECIPES else globals()[recipe]
+    qtensor.quantize_(model, recipe(), weights=weights, strict=True)
     return model
 
 
@@ -183,6 +184,66 @@ def train(model: nn.Module, weights: str, *, evaluate_between_steps: bool = Fals
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "logits": probe_logits(model)}
+
+
+# Dynamic weights under FSDP2 reduce the tensor-wide amaxes of all their shards' casts in one
+# all-reduce per step (dynamic_weight.py): the recipes whose weights have such amaxes, and how many
+# each of the model's 5 weights has (the hybrid's NVFP4 child: the global and the transformed amax).
+AMAX_RECIPES = {"float8_current": 1, "nvfp4": 1, "hybrid": 1, "nvfp4_rht_weights": 2}
+QUANTIZED_LAYERS = 5
+
+
+def nvfp4_rht_weights():
+    """NVFP4 everywhere, the weights' columnwise copies with the Hadamard transform too: a weight
+    cast that reduces two tensor-wide amaxes (the global and the transformed values' one)."""
+    from qtensor.formats.nvfp4 import NVFP4Quantizer
+
+    maker = lambda: NVFP4Quantizer(rht=True)  # noqa: E731
+    return qtensor.recipes.ByTensorType("nvfp4_rht_weights", input=maker, weight=maker, grad_output=maker)
+
+
+def train_counting_amax_reductions(model: nn.Module, *, evaluate: bool = False, micro_batches: int = 1) -> dict:
+    """`train`'s AdamW steps on dynamic weights, each step optionally after an evaluation forward and
+    over `micro_batches` micro-batches (gradient accumulation), counting the amax all-reduces each
+    step issues: `dist.all_reduce` with MAX, what every amax reduction uses (FSDP2's gradients go
+    through reduce-scatter and clip_grad_norm_'s norm is a SUM). Returns the losses, the number of
+    elements of each counted all-reduce by step ([] per step on one process), the trained weights
+    (whole, on every rank) and the logits."""
+    import torch.distributed as dist
+
+    log: list = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
+        if op == dist.ReduceOp.MAX:
+            log.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(2)  # stochastic rounding draws from here, the same in both runs
+    losses, per_step = [], []
+    dist.all_reduce = counting
+    try:
+        for x, target in batches():
+            log.clear()
+            if evaluate:
+                probe_logits(model)
+            for part, part_target in zip(x.chunk(micro_batches), target.chunk(micro_batches)):
+                loss = F.mse_loss(model(part).float(), part_target) / micro_batches
+                loss.backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            per_step.append(list(log))
+    finally:
+        dist.all_reduce = original
+    trained = {}
+    for name, parameter in model.named_parameters():
+        whole = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+        trained[name] = (whole.plain() if isinstance(whole, qtensor.DynamicWeight) else whole).detach().clone()
+    return {"losses": losses, "reductions": per_step, "weights": trained, "logits": probe_logits(model)}
 
 
 GATHER_LOG: list = []
@@ -271,6 +332,43 @@ def run_distributed(out_path: str) -> None:
         result = train(model, weights)
         result["gathered_weight"] = seen["weight"]
         results[("mixed", weights)] = result
+    # The amax all-reduces of each training step (dynamic weights): one per step for all the weights.
+    variants = {"plain": {}, "evaluating": dict(evaluate=True, micro_batches=2)}
+    for recipe in AMAX_RECIPES:
+        for variant, options in variants.items():
+            if only and only != "amax_reductions":
+                break
+            model = sharded(build(recipe, "dynamic"), mesh)
+            results[("amax_reductions", recipe, variant)] = train_counting_amax_reductions(model, **options)
+    if not only or only == "amax_reductions":
+        # The same steps with each cast reducing its own amaxes (the batching turned off): one
+        # all-reduce per layer and step, so the count above is seen to change.
+        from qtensor import dynamic_weight
+
+        batched = dynamic_weight._batched_amaxes
+        dynamic_weight._batched_amaxes = lambda *arguments: None
+        try:
+            model = sharded(build("float8_current", "dynamic"), mesh)
+            results[("amax_reductions", "float8_current", "unbatched")] = train_counting_amax_reductions(model)
+        finally:
+            dynamic_weight._batched_amaxes = batched
+        # A frozen block: its weights' amaxes are reduced with the others' at the first step only.
+        model = build("float8_current", "dynamic")
+        model.layers[0].requires_grad_(False)
+        results[("amax_reductions", "float8_current", "frozen")] = train_counting_amax_reductions(sharded(model, mesh))
+        # MixedPrecisionPolicy(param_dtype=bf16): the amaxes are those of the bf16 values each cast reads.
+        model = build("float8_current", "dynamic")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        results[("amax_reductions", "float8_current", "mixed")] = train_counting_amax_reductions(model)
+        # Compiled blocks (FSDP2's hooks run outside the compiled graphs): batched as in eager.
+        torch._dynamo.reset()
+        model = build("float8_current", "dynamic")
+        for block in model.layers:
+            block.compile(backend=COMPILE_BACKEND)
+        results[("amax_reductions", "float8_current", "compiled")] = train_counting_amax_reductions(sharded(model, mesh))
     # torchtitan's order for models too large for one device: meta, quantize_, fully_shard, to_empty, init.
     for recipe, weights in (("float8_current", "quantized"), ("hybrid", "dynamic")):
         if only and only != "meta":

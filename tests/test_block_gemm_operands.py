@@ -214,7 +214,7 @@ def test_the_backend_of_a_pair_follows_the_operand_forms_its_storages_offer(capa
         mock.patch.object(torch.nn.functional, "scaled_mm", zeros_product),
         mock.patch.object(torch, "mm", zeros_product),
     ):
-        fast = gemm._fast_product(a_tensor.storage_for(a_direction), b_tensor.storage_for(b_direction), device, None, torch.float32)
+        fast = gemm._fast_product(a_tensor.storage_for(a_direction), b_tensor.storage_for(b_direction), device, None, torch.float32, False)
     assert (fast[0] if fast else "reference") == expected
     if fast:
         assert fast[1].shape == (m if which != "wgrad" else n, n if which == "fprop" else k)

@@ -271,3 +271,52 @@ def test_attention_in_proj_and_conv1d_layers_train_sharded_like_one_process(dist
     pytest.importorskip("transformers")
     single = fsdp_cases.train_layer_types(weights)
     torch.testing.assert_close(torch.tensor(distributed[("layer_types", weights)]), torch.tensor(single), rtol=1e-6, atol=0)
+
+
+def _assert_trains_exactly_like(result, single):
+    assert result["losses"] == single["losses"]
+    assert result["weights"].keys() == single["weights"].keys() and result["weights"]
+    for name, weight in single["weights"].items():
+        assert torch.equal(result["weights"][name], weight), name
+    assert torch.equal(result["logits"], single["logits"])
+
+
+@pytest.mark.parametrize("variant", ["plain", "evaluating"])
+@pytest.mark.parametrize("recipe", fsdp_cases.AMAX_RECIPES)
+def test_one_all_reduce_per_step_reduces_the_amaxes_of_every_dynamic_weight(distributed, recipe, variant):
+    """The first stale shard cast in a step reduces every dynamic weight's tensor-wide amaxes in one
+    collective; the pre-backward re-gathers, the second micro-batch and a training forward after an
+    evaluation forward ("evaluating") reuse the casts. Bit for bit one process's training."""
+    result = distributed[("amax_reductions", recipe, variant)]
+    amaxes = fsdp_cases.QUANTIZED_LAYERS * fsdp_cases.AMAX_RECIPES[recipe]
+    assert result["reductions"] == [[amaxes]] * fsdp_cases.STEPS
+    options = dict(evaluate=True, micro_batches=2) if variant == "evaluating" else {}
+    single = fsdp_cases.train_counting_amax_reductions(fsdp_cases.build(recipe, "dynamic"), **options)
+    _assert_trains_exactly_like(result, single)
+
+
+def test_each_cast_reducing_its_own_amaxes_takes_one_all_reduce_per_layer_and_the_same_bytes(distributed):
+    """The batching turned off in the workers: the count the test above pins is the batching's, and
+    the two ways train bit for bit alike."""
+    unbatched = distributed[("amax_reductions", "float8_current", "unbatched")]
+    assert unbatched["reductions"] == [[1] * fsdp_cases.QUANTIZED_LAYERS] * fsdp_cases.STEPS
+    _assert_trains_exactly_like(unbatched, distributed[("amax_reductions", "float8_current", "plain")])
+
+
+def test_frozen_weights_are_reduced_once_then_left_out(distributed):
+    result = distributed[("amax_reductions", "float8_current", "frozen")]
+    trained = fsdp_cases.QUANTIZED_LAYERS - 2  # the first block's two linears are frozen
+    assert result["reductions"] == [[fsdp_cases.QUANTIZED_LAYERS]] + [[trained]] * (fsdp_cases.STEPS - 1)
+    model = fsdp_cases.build("float8_current", "dynamic")
+    model.layers[0].requires_grad_(False)
+    _assert_trains_exactly_like(result, fsdp_cases.train_counting_amax_reductions(model))
+
+
+def test_amaxes_are_batched_under_a_mixed_precision_policy_and_with_compiled_blocks(distributed):
+    """bf16 gathers: the batch takes the amaxes of the bf16 values each cast reads (else every cast
+    would find them stale and reduce again). Compiled blocks: FSDP2's hooks run outside the graphs."""
+    mixed = distributed[("amax_reductions", "float8_current", "mixed")]
+    assert mixed["reductions"] == [[fsdp_cases.QUANTIZED_LAYERS]] * fsdp_cases.STEPS
+    compiled = distributed[("amax_reductions", "float8_current", "compiled")]
+    assert compiled["reductions"] == [[fsdp_cases.QUANTIZED_LAYERS]] * fsdp_cases.STEPS
+    _assert_trains_exactly_like(compiled, fsdp_cases.train_counting_amax_reductions(fsdp_cases.build("float8_current", "dynamic")))

@@ -7,6 +7,7 @@ from ..numerics import (
     FP8_DTYPES,
     check_choice,
     check_fp8_dtype,
+    finite_amax,
     exact_quotient,
     reduce_amax,
     sharded_quantization,
@@ -171,6 +172,11 @@ class Float8Quantizer(Quantizer):
         # A meta-device model holds no values: the history stays where it is until real data comes.
         if self.amax_history is not None and self.amax_history.device != device and torch.device(device).type != "meta":
             self.amax_history = self.amax_history.to(device)
+
+    def tensor_amaxes(self, x, rowwise, columnwise):
+        # Current scaling: the amax its scale comes from; delayed: the amax the cast records (the
+        # cast kernel's partial amaxes have the same max).
+        return [finite_amax(x)]
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         rows, cols = x.shape

@@ -69,6 +69,16 @@ class HybridQuantizer(Quantizer):
         row, col = kernel(x, mx.fp8_dtype, mx.scale_rounding, column_amax, keys, nv.block_2d, nv.rht)
         return mx._storage("rowwise", x.shape, *row), nv._storage("columnwise", x.shape, *col, column_amax)
 
+    def tensor_amaxes(self, x, rowwise, columnwise):
+        # The children's, in the order the cast runs them (the one-read kernel asks the columnwise
+        # child for the same). A columnwise copy made from the dequantized rowwise one has amaxes
+        # known only after the rowwise cast: not declared, such a cast reduces its own.
+        if columnwise and self.columnwise_source == "rowwise_dequantized":
+            return None
+        amaxes = [self.rowwise.tensor_amaxes(x, True, False) if rowwise else []]
+        amaxes.append(self.columnwise.tensor_amaxes(x, False, True) if columnwise else [])
+        return None if None in amaxes else amaxes[0] + amaxes[1]
+
     def casts_reproducibly(self) -> bool:
         return self.rowwise.casts_reproducibly() and self.columnwise.casts_reproducibly()
 

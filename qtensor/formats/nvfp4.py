@@ -5,9 +5,11 @@ import torch
 
 from ..numerics import (
     FLT_MAX,
+    amaxes_pre_reduced,
     block_amax,
     ceil_div,
     expand_blocks,
+    finite_amax,
     tensor_amax,
     fp32,
     pad_to_multiple,
@@ -185,6 +187,11 @@ def apply_rht(x_t: torch.Tensor) -> torch.Tensor:
     return (hadamard16(runs) * 0.25 * signs + 0.0).reshape(x_t.shape)
 
 
+def transformed_columns(x: torch.Tensor) -> torch.Tensor:
+    """What a columnwise copy with `rht` quantizes: the transform of `x`ᵀ's rows zero-padded to runs of 16."""
+    return apply_rht(pad_to_multiple(x.t(), BLOCK_SIZE, dim=1))
+
+
 def undo_rht(y_t: torch.Tensor) -> torch.Tensor:
     """Inverse of apply_rht: Hᵀ @ run = H16 @ (signs * run) / 4 (H16 is symmetric)."""
     signs = rht_signs(y_t.device)
@@ -357,7 +364,7 @@ class NVFP4Quantizer(Quantizer):
             x_t = x.t()
             column_amax, column_s_enc = global_amax, s_enc
             if self.rht:
-                x_t = apply_rht(pad_to_multiple(x_t, BLOCK_SIZE, dim=1))
+                x_t = transformed_columns(x)
                 column_amax = tensor_amax(x_t)
                 column_s_enc = encode_scale(column_amax)
             if self.block_2d:
@@ -374,5 +381,18 @@ class NVFP4Quantizer(Quantizer):
         if not (self.rht and columnwise):
             global_amax = tensor_amax(x)
             return global_amax, global_amax
+        if amaxes_pre_reduced():  # both given, in tensor_amaxes' order: x is not read for them
+            return tensor_amax(x), tensor_amax(x)
         plain, transformed = lookup("nvfp4.amaxes", x)(x)
         return reduce_amax(plain), reduce_amax(transformed)
+
+    def tensor_amaxes(self, x, rowwise, columnwise):
+        # The global amax (rowwise=False too: it scales a columnwise copy without the transform);
+        # with the transform, the transformed values' amax after it.
+        if not (self.rht and columnwise):
+            return [finite_amax(x)]
+        kernel = lookup("nvfp4.amaxes", x)
+        if kernel is not None:
+            return list(kernel(x))
+        x = x.float()
+        return [finite_amax(x), finite_amax(transformed_columns(x))]
