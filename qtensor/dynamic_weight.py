@@ -6,10 +6,10 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import fsdp, layer_state, running_state
+from .kernels import is_fake
 from .layer import LinearQuantizers
 from .numerics import ceil_div, pre_reduced_amaxes, reduce_amax_over
 from .quantizer import fold_to_2d
@@ -79,8 +79,12 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         the version of the values it was cast from (None under torch.compile: record every cast)."""
         if self.linear_quantizers.weight is None:
             return self.high_precision_matrix(), [], None
-        with running_state.noting() as notes:
+        if not self.linear_quantizers.records_amaxes:  # a stateless cast notes nothing
+            notes = []
             quantized = self.quantized(columnwise=columnwise, cached=training)
+        else:
+            with running_state.noting() as notes:
+                quantized = self.quantized(columnwise=columnwise, cached=training)
         traced = torch.compiler.is_compiling() or is_fake(self._data)
         return quantized, notes, None if traced else (id(self._writes), self.values_version())
 

@@ -298,8 +298,11 @@ def _count(name: str) -> None:
 
 def _nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bias, out_dtype, fast_accumulation=False) -> torch.Tensor:
     """C = A · Bᵀ, A and B each one direction of an operand whose reduction dimension is contiguous."""
-    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and not a.is_meta:
-        fast = _fast_product(a.storage_for(a_direction), b.storage_for(b_direction), a.device, bias, out_dtype, fast_accumulation)
+    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+        # The device from A's storage (a wrapper's .device / .is_meta would go through __torch_function__).
+        a_storage = a.storage_for(a_direction)
+        device = a_storage.device
+        fast = None if device.type == "meta" else _fast_product(a_storage, b.storage_for(b_direction), device, bias, out_dtype, fast_accumulation)
         if fast is not None:
             name, product = fast
             _count(name)

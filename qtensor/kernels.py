@@ -22,7 +22,14 @@ import os
 from typing import Callable
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake as _torch_is_fake
+
+
+def is_fake(tensor) -> bool:
+    """torch's `is_fake`, answered at once for a plain tensor that nothing wraps (the eager case)."""
+    if type(tensor) is torch.Tensor and not torch._is_functional_tensor(tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        return False
+    return _torch_is_fake(tensor)
 
 # name → (module, function). The reference each one replaces is named beside it.
 TABLE: dict[str, tuple[str, str]] = {

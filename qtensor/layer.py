@@ -71,6 +71,17 @@ class LinearQuantizers:
     running: LayerRunning = field(default_factory=LayerRunning, compare=False, hash=False, repr=False)
 
     @property
+    def records_amaxes(self) -> bool:
+        """True when a cast of this layer can record an amax (delayed scaling keeps running state):
+        only then do its casts run inside running_state.noting(). Computed once (the quantizers'
+        configuration never changes)."""
+        value = self.__dict__.get("_records_amaxes")
+        if value is None:
+            value = bool(self.state_buffers())
+            object.__setattr__(self, "_records_amaxes", value)
+        return value
+
+    @property
     def parameter_name(self) -> str:
         return self.parameter or (f"{self.name}.weight" if self.name else "weight")
 

@@ -18,22 +18,13 @@ import contextvars
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from . import gemm, layer_state, running_state
+from .kernels import is_fake
 from .layer import LinearQuantizers
 from .quantizer import INPUT_DTYPES, Quantizer, fold_to_2d
+from .storage import _buffer_names
 from .tensor import QuantizedTensor
-
-
-def _only(tensor: torch.Tensor, direction: str | None) -> torch.Tensor:
-    """The data of a quantized operand holding just `direction`, what the backward reads (a plain
-    tensor of the format's class: the layer weight's behaviour is not saved)."""
-    if direction is None or not isinstance(tensor, QuantizedTensor):
-        return tensor
-    storage = tensor.storage_for(direction)
-    rowwise, columnwise = (storage, None) if direction == "rowwise" else (None, storage)
-    return tensor.data_class(tensor.shape, tensor.dtype, rowwise, columnwise, tensor.quantizer)
 
 
 def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: bool, columnwise: bool) -> torch.Tensor:
@@ -85,24 +76,36 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
-def _pack_saved(tensor: torch.Tensor | None):
-    """(the plain tensors to save for backward, how to rebuild `tensor` from them): a quantized tensor
-    is saved as its buffers, so every saved-tensor hook (save_on_cpu, pinned or not, activation
+def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
+    """(the plain tensors to save for backward, how to rebuild from them the data of `tensor` holding
+    just `direction`, what the backward reads): a quantized operand is saved as the buffers of that
+    direction's storage, so every saved-tensor hook (save_on_cpu, pinned or not, activation
     checkpointing, offloading hooks) moves and measures plain bytes, and never turns the quantized
-    copy into a high-precision one (a plain pinned buffer copied from it would dequantize it)."""
-    if not isinstance(tensor, QuantizedTensor):
+    copy into a high-precision one (a plain pinned buffer copied from it would dequantize it). No
+    wrapper is made or flattened here: the rebuild names the format's tensor class (the layer
+    weight's behaviour is not saved) and the storage's class, direction, size and options."""
+    if direction is None or not isinstance(tensor, QuantizedTensor):
         return [tensor], None
-    names, context = tensor.__tensor_flatten__()
+    storage = tensor.storage_for(direction)
+    options = storage.options
+    names = _buffer_names(type(storage), storage.direction, tuple(options.values()))
     # `.data`: the buffers' own version counters stay out of autograd's check, as they were when the
     # wrapper was saved (FSDP2 gathers a weight into the same buffers again before the backward).
-    return [getattr(tensor, name).data for name in names], (type(tensor), names, context, tensor.shape, tensor.stride())
+    tensors = [getattr(storage, name).data for name in names]
+    rebuild = (
+        tensor.data_class, [f"{direction}__{name}" for name in names], names, direction, type(storage),
+        (storage.direction, storage.rows, storage.cols, storage.row_slice, options), tensor.shape, tensor.dtype, tensor.quantizer,
+    )
+    return tensors, rebuild
 
 
 def _unpack_saved(tensors, rebuild) -> torch.Tensor | None:
     if rebuild is None:
         return tensors[0]
-    cls, names, context, shape, stride = rebuild
-    return cls.__tensor_unflatten__(dict(zip(names, tensors)), context, shape, stride)
+    cls, _, names, direction, storage_cls, (storage_direction, rows, cols, row_slice, options), shape, dtype, quantizer = rebuild
+    storage = storage_cls(direction=storage_direction, rows=rows, cols=cols, row_slice=row_slice, **options, **dict(zip(names, tensors)))
+    rowwise, columnwise = (storage, None) if direction == "rowwise" else (None, storage)
+    return cls(shape, dtype, rowwise, columnwise, quantizer)
 
 
 class QuantizedLinearFunction(torch.autograd.Function):
@@ -115,7 +118,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         training = input_needs_grad or weight_needs_grad
         # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
         x2d = fold_to_2d(x)
-        with running_state.noting() as notes:
+        with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
             x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
         w_q, weight_notes, version = weight.linear_operand(columnwise=input_needs_grad and quantized_backward, training=training)
         # A weight's amax is recorded once per version of its values, by the first training step
@@ -135,8 +138,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
             saved_x, saved_w = (x_q, "rowwise"), (w_q, "rowwise")
         else:  # high_precision: the original operands (a quantized parameter has no other)
             saved_x, saved_w = (x2d, None), (weight.high_precision_matrix() if input_needs_grad else None, None)
-        x_tensors, ctx.x_rebuild = _pack_saved(_only(*saved_x) if weight_needs_grad else None)
-        w_tensors, ctx.w_rebuild = _pack_saved(_only(*saved_w) if input_needs_grad else None)
+        x_tensors, ctx.x_rebuild = _pack_saved(*saved_x) if weight_needs_grad else ([None], None)
+        w_tensors, ctx.w_rebuild = _pack_saved(*saved_w) if input_needs_grad else ([None], None)
         ctx.save_for_backward(*x_tensors, *w_tensors)
         ctx.linear = linear
         # An evaluation or inference forward has no backward: its notes are dropped here.
@@ -167,7 +170,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
             )
         grad_q = grad_2d
         with linear.using_state(ctx.state) if ctx.state else contextlib.nullcontext():
-            with running_state.noting() as notes:
+            with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
                 if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
                     # Quantized once, with both usages the two backward GEMMs need.
                     grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)
@@ -188,6 +191,13 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with the quantizers the layer weight `weight` carries."""
+    # Subclass __torch_function__ off from here: the weight's shape, dtype and requires_grad are read
+    # as a plain tensor's, without a trip through routing for each.
+    with torch._C.DisableTorchFunctionSubclass():
+        return _quantized_linear(x, weight, bias)
+
+
+def _quantized_linear(x, weight, bias):
     linear = weight.linear_quantizers
     name = linear.name or "a quantized linear layer"
     if x.dim() == 0 or x.shape[-1] != weight.in_features:
@@ -211,8 +221,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     grad_enabled = torch.is_grad_enabled()
     # Traced by torch.compile, the casts use the copies of the layer state the weight carries (layer_state.py).
     state = layer_state.traced_state_of(weight)
-    with torch._C.DisableTorchFunctionSubclass():
-        with linear.using_state(state) if state else contextlib.nullcontext():
-            return QuantizedLinearFunction.apply(
-                x, weight, bias, linear, grad_enabled and x.requires_grad, grad_enabled and weight.requires_grad, state
-            )
+    needs = (grad_enabled and x.requires_grad, grad_enabled and weight.requires_grad)
+    if not state:
+        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state)
+    with linear.using_state(state):
+        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state)

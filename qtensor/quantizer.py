@@ -183,6 +183,8 @@ class Quantizer:
         return _constructor_arguments(type(self))
 
     def _check_input(self, x, rowwise: bool, columnwise: bool) -> torch.Tensor:
+        if type(x) is torch.Tensor and x.dtype in INPUT_DTYPES and x.dim() == 2 and (rowwise or columnwise):
+            return x  # the common case (a layer's own 2-D operand): nothing to fold or refuse
         name = type(self).__name__
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}.quantize expects a torch.Tensor, got {type(x).__name__}.")
@@ -199,7 +201,7 @@ class Quantizer:
             raise ValueError(
                 f"{name}.quantize was asked for no direction; pass rowwise=True and/or columnwise=True."
             )
-        return fold_to_2d(x)
+        return x if x.dim() == 2 else fold_to_2d(x)
 
 
 @functools.cache

@@ -77,6 +77,25 @@ def _buffer_names(cls, direction: str, options: tuple) -> tuple[str, ...]:
 _BUFFER_NAMES: dict[tuple, tuple[str, ...]] = {}
 
 
+def _fields(cls, direction: str, options: tuple) -> tuple[tuple[str, ...], frozenset]:
+    """(buffer names, every keyword field a storage takes: its options and buffers), cached as `_buffer_names`."""
+    key = (cls, direction, options)
+    try:
+        return _FIELDS[key]
+    except (KeyError, TypeError):
+        pass
+    names = _buffer_names(cls, direction, options)
+    fields = (names, frozenset(cls.option_names()).union(names))
+    try:
+        _FIELDS[key] = fields
+    except TypeError:  # an unhashable option value: not cached
+        pass
+    return fields
+
+
+_FIELDS: dict[tuple, tuple] = {}
+
+
 @dataclass(frozen=True)
 class TensorScale:
     """The fp32 factor that multiplies a GEMM's fp32 result for one operand (`Storage.bf16_operand`,
@@ -142,12 +161,11 @@ class Storage:
         # True for a storage made by slicing rows out of a larger one: its tensor-wide buffers cover
         # rows it does not hold, so nothing may requantize them (ops.copy_ refuses).
         self.row_slice = row_slice
-        buffer_names = _buffer_names(type(self), direction, tuple(fields.get(name) for name in self.option_names()))
-        expected = set(self.option_names()).union(buffer_names)
-        if set(fields) != expected:
+        option_names = self.option_names()
+        buffer_names, expected = _fields(type(self), direction, tuple(fields.get(name) for name in option_names))
+        if fields.keys() != expected:
             raise TypeError(f"{type(self).__name__} takes {sorted(expected)}, got {sorted(fields)}")
-        for name, value in fields.items():
-            setattr(self, name, value)
+        self.__dict__.update(fields)
         self._first_buffer = buffer_names[0]
 
     # ---- what every format declares and implements -------------------------------------------
@@ -203,7 +221,11 @@ class Storage:
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return tuple(cls.option_values)
+        names = cls.__dict__.get("_option_names")
+        if names is None or names[0] is not cls.option_values:  # cached per class, against its option_values
+            names = (cls.option_values, tuple(cls.option_values))
+            cls._option_names = names
+        return names[1]
 
     @classmethod
     def check_options(cls, direction, options: dict, where: str) -> None:

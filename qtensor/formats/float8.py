@@ -180,8 +180,9 @@ class Float8Quantizer(Quantizer):
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
         rows, cols = x.shape
-        if lookup("float8.cast", x) is not None and (self.scaling == "current" or lookup("float8.delayed_scale", x) is not None):
-            row_data, col_data, scale_inv = self._cast_on_device(x, rowwise, columnwise, update_state)
+        cast = lookup("float8.cast", x)
+        if cast is not None and (self.scaling == "current" or lookup("float8.delayed_scale", x) is not None):
+            row_data, col_data, scale_inv = self._cast_on_device(x, cast, rowwise, columnwise, update_state)
         else:
             scale = self.compute_scale(x)
             scale_inv = exact_quotient(1.0, scale)  # 1/scale, correctly rounded
@@ -194,10 +195,9 @@ class Float8Quantizer(Quantizer):
         )
         return (storage("rowwise", row_data) if rowwise else None, storage("columnwise", col_data) if columnwise else None)
 
-    def _cast_on_device(self, x, rowwise, columnwise, update_state):
-        """The same cast by the kernels of the table: scale, codes of both directions and the
-        history update, with no host sync and no elementwise torch ops on the way."""
-        cast = lookup("float8.cast", x)
+    def _cast_on_device(self, x, cast, rowwise, columnwise, update_state):
+        """The same cast by the kernels of the table (`cast`: the table's "float8.cast"): scale, codes
+        of both directions and the history update, with no host sync and no elementwise torch ops on the way."""
         options = dict(amax_epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales)
         if self.scaling == "current":
             # One shard of a sharded tensor needs the amax reduced over the ranks: a 0-d amax.
