@@ -3,7 +3,8 @@
 Each entry is the fast twin of one pure-torch reference function and is bit-identical to it (tested
 on the GPU). `lookup(name, tensor)` gives the kernel where it applies (a CUDA tensor, Triton
 importable) and None otherwise; the caller then runs the reference, which stays the CPU path and
-the oracle. `reference_kernels()` (or QTENSOR_KERNELS=reference) makes every lookup miss.
+the oracle. `reference_kernels()` (or QTENSOR_KERNELS=reference) makes every eager lookup miss
+(code torch.compile traces does not read it).
 
 Traced by torch.compile, the Float8 and MXFP8 casts, their amaxes and dequantizes (`TRACED`) trace
 their pure-torch references, which are exact under the compiler too (docs/compile.md), so inductor
@@ -75,11 +76,12 @@ def reference_kernels():
 def lookup(name: str, tensor) -> Callable | None:
     if tensor.device.type != "cuda":
         return None
+    compiling = torch.compiler.is_compiling()
     # Not read while torch.compile traces (dynamo cannot trace ContextVar.get): the switch governs
     # eager calls, and a graph compiled inside it still calls the kernels below.
-    if not torch.compiler.is_compiling() and _forced_reference.get():
+    if not compiling and _forced_reference.get():
         return None
-    if torch.compiler.is_compiling() or is_fake(tensor):
+    if compiling or is_fake(tensor):
         # Traced by torch.compile: the reference of a TRACED kernel, which inductor fuses; any other
         # kernel as a custom op (qtensor_kernels/compiled.py), which the compiled graph calls.
         if name in TRACED and _traced_under_compile:

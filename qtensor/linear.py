@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -76,14 +77,27 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
+class SavedOperand(NamedTuple):
+    """How to rebuild, from its saved buffers, the data of a quantized operand holding the one
+    direction the backward reads: the format's tensor class (the layer weight's behaviour is not
+    saved), that direction, its buffers' names, and the storage's class and fields."""
+
+    cls: type
+    direction: str
+    names: tuple[str, ...]
+    storage_class: type
+    storage_fields: dict
+    shape: torch.Size
+    dtype: torch.dtype
+    quantizer: Quantizer | None
+
+
 def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
-    """(the plain tensors to save for backward, how to rebuild from them the data of `tensor` holding
-    just `direction`, what the backward reads): a quantized operand is saved as the buffers of that
-    direction's storage, so every saved-tensor hook (save_on_cpu, pinned or not, activation
-    checkpointing, offloading hooks) moves and measures plain bytes, and never turns the quantized
-    copy into a high-precision one (a plain pinned buffer copied from it would dequantize it). No
-    wrapper is made or flattened here: the rebuild names the format's tensor class (the layer
-    weight's behaviour is not saved) and the storage's class, direction, size and options."""
+    """(the plain tensors to save for backward, a SavedOperand or None): a quantized operand is saved
+    as the buffers of its `direction`'s storage, so every saved-tensor hook (save_on_cpu, pinned or
+    not, activation checkpointing, offloading hooks) moves and measures plain bytes, and never turns
+    the quantized copy into a high-precision one (a plain pinned buffer copied from it would
+    dequantize it). No wrapper is made or flattened here."""
     if direction is None or not isinstance(tensor, QuantizedTensor):
         return [tensor], None
     storage = tensor.storage_for(direction)
@@ -92,20 +106,16 @@ def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
     # `.data`: the buffers' own version counters stay out of autograd's check, as they were when the
     # wrapper was saved (FSDP2 gathers a weight into the same buffers again before the backward).
     tensors = [getattr(storage, name).data for name in names]
-    rebuild = (
-        tensor.data_class, [f"{direction}__{name}" for name in names], names, direction, type(storage),
-        (storage.direction, storage.rows, storage.cols, storage.row_slice, options), tensor.shape, tensor.dtype, tensor.quantizer,
-    )
-    return tensors, rebuild
+    fields = dict(direction=storage.direction, rows=storage.rows, cols=storage.cols, row_slice=storage.row_slice, **options)
+    return tensors, SavedOperand(tensor.data_class, direction, names, type(storage), fields, tensor.shape, tensor.dtype, tensor.quantizer)
 
 
-def _unpack_saved(tensors, rebuild) -> torch.Tensor | None:
-    if rebuild is None:
+def _unpack_saved(tensors, saved: SavedOperand | None) -> torch.Tensor | None:
+    if saved is None:
         return tensors[0]
-    cls, _, names, direction, storage_cls, (storage_direction, rows, cols, row_slice, options), shape, dtype, quantizer = rebuild
-    storage = storage_cls(direction=storage_direction, rows=rows, cols=cols, row_slice=row_slice, **options, **dict(zip(names, tensors)))
-    rowwise, columnwise = (storage, None) if direction == "rowwise" else (None, storage)
-    return cls(shape, dtype, rowwise, columnwise, quantizer)
+    storage = saved.storage_class(**saved.storage_fields, **dict(zip(saved.names, tensors)))
+    rowwise, columnwise = (storage, None) if saved.direction == "rowwise" else (None, storage)
+    return saved.cls(saved.shape, saved.dtype, rowwise, columnwise, saved.quantizer)
 
 
 class QuantizedLinearFunction(torch.autograd.Function):
@@ -156,7 +166,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         ctx.input_cast_slot[0] = None  # the forward is over: the last input cast is freed
         saved = ctx.saved_tensors
-        split = len(saved) - len(ctx.w_rebuild[1] if ctx.w_rebuild else [None])
+        split = len(saved) - len(ctx.w_rebuild.names if ctx.w_rebuild else [None])
         saved_x, saved_w = _unpack_saved(saved[:split], ctx.x_rebuild), _unpack_saved(saved[split:], ctx.w_rebuild)
         input_needs_grad, weight_needs_grad = ctx.needs_grad
         linear = ctx.linear

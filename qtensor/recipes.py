@@ -67,17 +67,7 @@ def float8_current(
     `fprop_fast_accumulation`: the forward GEMM on the FP8 tensor cores' fast accumulation (dgrad
     and wgrad keep the split fp32 accumulator; docs/numerics.md, FP8 GEMMs)."""
     options = dict(amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales)
-    return ByTensorType(
-        "float8_current",
-        input=lambda: Float8Quantizer(fp8_dtype, **options),
-        weight=lambda: Float8Quantizer(fp8_dtype, **options),
-        grad_output=lambda: Float8Quantizer(grad_fp8_dtype, **options),
-        options=_changed(
-            _defaults(float8_current),
-            dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, fprop_fast_accumulation=fprop_fast_accumulation, **options),
-        ),
-        fprop_fast_accumulation=fprop_fast_accumulation,
-    )
+    return _float8(float8_current, "current", fp8_dtype, grad_fp8_dtype, fprop_fast_accumulation, options)
 
 
 def float8_delayed(
@@ -99,15 +89,19 @@ def float8_delayed(
         amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo, margin=margin,
         amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,
     )
+    return _float8(float8_delayed, "delayed", fp8_dtype, grad_fp8_dtype, fprop_fast_accumulation, options)
+
+
+def _float8(recipe, scaling: str, fp8_dtype, grad_fp8_dtype, fprop_fast_accumulation: bool, options: dict) -> ByTensorType:
+    """A Float8 recipe: `fp8_dtype` for input and weight, `grad_fp8_dtype` for the gradient, each a
+    `Float8Quantizer` with `scaling` and `options`; its repr shows the arguments `recipe` was given."""
+    given = dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, fprop_fast_accumulation=fprop_fast_accumulation, **options)
     return ByTensorType(
-        "float8_delayed",
-        input=lambda: Float8Quantizer(fp8_dtype, scaling="delayed", **options),
-        weight=lambda: Float8Quantizer(fp8_dtype, scaling="delayed", **options),
-        grad_output=lambda: Float8Quantizer(grad_fp8_dtype, scaling="delayed", **options),
-        options=_changed(
-            _defaults(float8_delayed),
-            dict(fp8_dtype=fp8_dtype, grad_fp8_dtype=grad_fp8_dtype, fprop_fast_accumulation=fprop_fast_accumulation, **options),
-        ),
+        recipe.__name__,
+        input=lambda: Float8Quantizer(fp8_dtype, scaling=scaling, **options),
+        weight=lambda: Float8Quantizer(fp8_dtype, scaling=scaling, **options),
+        grad_output=lambda: Float8Quantizer(grad_fp8_dtype, scaling=scaling, **options),
+        options=_changed(_defaults(recipe), given),
         fprop_fast_accumulation=fprop_fast_accumulation,
     )
 

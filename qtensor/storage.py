@@ -57,43 +57,52 @@ class Buffer:
         return ceil_div(padded, self.rows_per_entry)
 
 
-def _buffer_names(cls, direction: str, options: tuple) -> tuple[str, ...]:
-    """The names of a storage's buffers, in layout order (they depend on the direction and the
-    options, never on the size), computed once per combination."""
-    key = (cls, direction, options)
+def _cached(cache: dict, key: tuple, compute: Callable):
+    """`compute()`, kept in `cache` under `key` (a layout depends on its arguments alone). Not kept
+    where the key cannot be hashed: an unhashable option value (the checks that follow refuse it), a
+    symbolic size under torch.compile. The cache is emptied when it grows past _CACHE_ENTRIES."""
     try:
-        return _BUFFER_NAMES[key]
+        return cache[key]
     except KeyError:
         pass
-    except TypeError:  # an unhashable option value: not cached (the checks that follow refuse it)
-        key = None
-    names = tuple(buffer.name for buffer in cls.layout(direction, 1, 1, **dict(zip(cls.option_names(), options))))
-    if key is not None:
-        _BUFFER_NAMES[key] = names
-    return names
+    except TypeError:
+        return compute()
+    if len(cache) >= _CACHE_ENTRIES:
+        cache.clear()
+    value = cache[key] = compute()
+    return value
 
 
-# A cache (names by storage class, direction and options): a race between threads fills one entry twice, equally.
+_CACHE_ENTRIES = 4096
+# Caches of layouts (buffers by name), by (class, direction, rows, cols, options); of buffer names and of the keyword
+# fields a storage takes, by (class, direction, options in option_names() order). A race between
+# threads computes one entry twice, equally.
+_LAYOUTS: dict[tuple, tuple] = {}
 _BUFFER_NAMES: dict[tuple, tuple[str, ...]] = {}
+_FIELDS: dict[tuple, tuple] = {}
+
+
+def _layout(cls, direction: str, rows: int, cols: int, options: dict) -> dict:
+    """`cls.layout(direction, rows, cols, **options)` by buffer name, computed once per combination."""
+    key = (cls, direction, rows, cols, tuple(options.items()))
+    return _cached(_LAYOUTS, key, lambda: {spec.name: spec for spec in cls.layout(direction, rows, cols, **options)})
+
+
+def _buffer_names(cls, direction: str, options: tuple) -> tuple[str, ...]:
+    """The names of a storage's buffers, in layout order (they depend on the direction and the
+    options, never on the size)."""
+    compute = lambda: tuple(b.name for b in cls.layout(direction, 1, 1, **dict(zip(cls.option_names(), options))))
+    return _cached(_BUFFER_NAMES, (cls, direction, options), compute)
 
 
 def _fields(cls, direction: str, options: tuple) -> tuple[tuple[str, ...], frozenset]:
-    """(buffer names, every keyword field a storage takes: its options and buffers), cached as `_buffer_names`."""
-    key = (cls, direction, options)
-    try:
-        return _FIELDS[key]
-    except (KeyError, TypeError):
-        pass
-    names = _buffer_names(cls, direction, options)
-    fields = (names, frozenset(cls.option_names()).union(names))
-    try:
-        _FIELDS[key] = fields
-    except TypeError:  # an unhashable option value: not cached
-        pass
-    return fields
+    """(buffer names, every keyword field a storage takes: its options and buffers)."""
 
+    def compute():
+        names = _buffer_names(cls, direction, options)
+        return names, frozenset(cls.option_names()).union(names)
 
-_FIELDS: dict[tuple, tuple] = {}
+    return _cached(_FIELDS, (cls, direction, options), compute)
 
 
 @dataclass(frozen=True)
@@ -161,8 +170,7 @@ class Storage:
         # True for a storage made by slicing rows out of a larger one: its tensor-wide buffers cover
         # rows it does not hold, so nothing may requantize them (ops.copy_ refuses).
         self.row_slice = row_slice
-        option_names = self.option_names()
-        buffer_names, expected = _fields(type(self), direction, tuple(fields.get(name) for name in option_names))
+        buffer_names, expected = _fields(type(self), direction, tuple(fields.get(name) for name in self.option_names()))
         if fields.keys() != expected:
             raise TypeError(f"{type(self).__name__} takes {sorted(expected)}, got {sorted(fields)}")
         self.__dict__.update(fields)
@@ -216,16 +224,12 @@ class Storage:
     def empty_buffers(cls, names, direction: str, rows: int, cols: int, device, **options) -> tuple[torch.Tensor, ...]:
         """Uninitialised buffers `names` (in that order) of the layout of a `[rows, cols]` view, on
         `device`: what a kernel writes, and, under a fake tensor mode, what its compiled fake returns."""
-        specs = {spec.name: spec for spec in cls.layout(direction, rows, cols, **options)}
+        specs = _layout(cls, direction, rows, cols, options)
         return tuple(torch.empty(specs[name].shape, dtype=specs[name].dtype, device=device) for name in names)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        names = cls.__dict__.get("_option_names")
-        if names is None or names[0] is not cls.option_values:  # cached per class, against its option_values
-            names = (cls.option_values, tuple(cls.option_values))
-            cls._option_names = names
-        return names[1]
+        return tuple(cls.option_values)
 
     @classmethod
     def check_options(cls, direction, options: dict, where: str) -> None:

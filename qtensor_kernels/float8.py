@@ -153,28 +153,6 @@ def _cast_kernel(
         tl.store(amax_out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile_max)
 
 
-def _empty_outputs(M, N, device, fp8_dtype, rowwise, columnwise):
-    """(rowwise codes or None, columnwise codes or None, scale_inv), allocated as Float8Storage.layout
-    declares them; the shapes and dtypes are read from the layout once per (M, N, dtype)."""
-    key = (M, N, fp8_dtype)
-    specs = _OUTPUT_SPECS.get(key)
-    if specs is None:
-        row, scale_inv = Float8Storage.layout("rowwise", M, N, fp8_dtype=fp8_dtype)
-        col, _ = Float8Storage.layout("columnwise", M, N, fp8_dtype=fp8_dtype)
-        specs = _OUTPUT_SPECS[key] = tuple((b.shape, b.dtype) for b in (row, col, scale_inv))
-    (row_shape, row_dtype), (col_shape, col_dtype), (s_shape, s_dtype) = specs
-    return (
-        torch.empty(row_shape, dtype=row_dtype, device=device) if rowwise else None,
-        torch.empty(col_shape, dtype=col_dtype, device=device) if columnwise else None,
-        torch.empty(s_shape, dtype=s_dtype, device=device),
-    )
-
-
-# A cache (layout shapes by size and dtype; a race fills one entry twice, equally). Unbounded:
-# one entry per distinct [M, N] cast, as small as the kernel cache Triton keeps anyway.
-_OUTPUT_SPECS: dict = {}
-
-
 def cast(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -199,9 +177,12 @@ def cast(
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    row, col, scale_inv = _empty_outputs(M, N, x.device, fp8_dtype, rowwise, columnwise)
+    new = lambda direction, name: Float8Storage.empty_buffers((name,), direction, M, N, x.device, fp8_dtype=fp8_dtype)[0]
+    row = new("rowwise", "data") if rowwise else None
+    col = new("columnwise", "data") if columnwise else None
     if scale is None:
         amax = amax.reshape(-1)
+    scale_inv = new("rowwise", "scale_inv")
     if rows_per_word is None:
         rows_per_word = 4 if M % 4 == 0 else 1
     block_m, block_n, warps = block or _CAST_TILE[rows_per_word]

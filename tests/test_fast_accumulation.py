@@ -83,7 +83,7 @@ def test_the_forward_still_multiplies_the_quantized_operands():
 
 def test_the_report_and_the_recipe_say_so():
     layer = nn.Linear(64, 32)
-    report = qtensor.quantize_(layer, qtensor.recipes.float8_current())
+    qtensor.quantize_(layer, qtensor.recipes.float8_current())
     assert layer.weight.linear_quantizers.fprop_fast_accumulation
     assert "fprop fast accumulation" in layer.weight.linear_quantizers.describe()
     assert repr(qtensor.recipes.float8_current(fprop_fast_accumulation=False)) == (
@@ -92,4 +92,3 @@ def test_the_report_and_the_recipe_say_so():
     assert not qtensor.recipes.mxfp8().fprop_fast_accumulation
     with pytest.raises(ValueError, match="fprop_fast_accumulation must be True, False or None"):
         qtensor.Recipe(qtensor.recipes.float8_current(), fprop_fast_accumulation="yes")
-    del report
