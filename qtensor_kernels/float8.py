@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from qtensor.formats.float8 import Float8Storage
+from .launch import launch
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _NAN_CODE = tl.constexpr(0x7F)  # the one NaN code qtensor writes (numerics.FP8_NAN_CODE)
@@ -59,7 +60,7 @@ def amax_partials(x: torch.Tensor, programs: int | None = None) -> torch.Tensor:
     if programs is None:
         programs = min(MAX_AMAX_PARTIALS, triton.next_power_of_2(max(triton.cdiv(n, 2 * _AMAX_BLOCK), 1)))
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-    _amax_partials_kernel[(programs,)](x, partials, n, BLOCK=_AMAX_BLOCK, PROGRAMS=programs, num_warps=8)
+    launch(_amax_partials_kernel, (programs,), x, partials, n, BLOCK=_AMAX_BLOCK, PROGRAMS=programs, num_warps=8)
     return partials
 
 
@@ -177,19 +178,22 @@ def cast(
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    new = lambda direction, name: Float8Storage.empty_buffers((name,), direction, M, N, x.device, fp8_dtype=fp8_dtype)[0]
-    row = new("rowwise", "data") if rowwise else None
-    col = new("columnwise", "data") if columnwise else None
+    # The rowwise storage's buffers (its scale_inv serves both directions) and the columnwise codes.
+    if rowwise:
+        row, scale_inv = Float8Storage.empty_buffers(("data", "scale_inv"), "rowwise", M, N, x.device, fp8_dtype=fp8_dtype)
+    else:
+        row, (scale_inv,) = None, Float8Storage.empty_buffers(("scale_inv",), "rowwise", M, N, x.device, fp8_dtype=fp8_dtype)
+    col = Float8Storage.empty_buffers(("data",), "columnwise", M, N, x.device, fp8_dtype=fp8_dtype)[0] if columnwise else None
     if scale is None:
         amax = amax.reshape(-1)
-    scale_inv = new("rowwise", "scale_inv")
     if rows_per_word is None:
         rows_per_word = 4 if M % 4 == 0 else 1
     block_m, block_n, warps = block or _CAST_TILE[rows_per_word]
     grid = (max(triton.cdiv(M, block_m), 1), max(triton.cdiv(N, block_n), 1))
     partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device) if amax_out else None
     codes = (row if rowwise else col).view(torch.uint8)
-    _cast_kernel[grid](
+    launch(
+        _cast_kernel, grid,
         x, scale if scale is not None else scale_inv, amax if scale is None else scale, scale_inv, partials if amax_out else scale_inv,
         codes, (col if columnwise else row).view(torch.uint8),
         M, N, x.stride(0), float(amax_epsilon),
@@ -219,7 +223,8 @@ def delayed_scale(history, fp8_dtype, amax_epsilon, force_pow_2_scales, margin, 
     """The scale of the next cast from the amax history, as Float8Quantizer.compute_scale."""
     scale = torch.empty((), dtype=torch.float32, device=history.device)
     length = history.numel()
-    _delayed_scale_kernel[(1,)](
+    launch(
+        _delayed_scale_kernel, (1,),
         history, scale, float(amax_epsilon), LENGTH=length, BLOCK=triton.next_power_of_2(length),
         MOST_RECENT=most_recent, FP8_MAX=_FP8_MAX[fp8_dtype], MARGIN_FACTOR=2.0**margin, POW2=force_pow_2_scales,
     )
@@ -242,7 +247,8 @@ def _record_amax_kernel(history_ptr, partials_ptr, parts, LENGTH: tl.constexpr, 
 def record_amax(history: torch.Tensor, partials: torch.Tensor) -> None:
     """Drop the oldest entry of `history` and append the max of `partials` (an amax), in place."""
     length = history.numel()
-    _record_amax_kernel[(1,)](
+    launch(
+        _record_amax_kernel, (1,),
         history, partials, partials.numel(), LENGTH=length, BLOCK=triton.next_power_of_2(length), PART_BLOCK=1024, num_warps=4
     )
 
@@ -267,7 +273,8 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
     n = data.numel()
     if n:
         block = 4096
-        _dequantize_kernel[(triton.cdiv(n, block),)](
+        launch(
+            _dequantize_kernel, (triton.cdiv(n, block),),
             data.view(torch.uint8), scale_inv, out, n, E5M2=data.dtype == torch.float8_e5m2, BLOCK=block, num_warps=8
         )
     return out

@@ -8,6 +8,7 @@ kernel from its `TensorScale` (a scale_inv, or NVFP4's 1/S_enc from the global a
 import torch
 import triton
 import triton.language as tl
+from .launch import launch
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -47,7 +48,8 @@ def scale_output(product: torch.Tensor, a_scale, b_scale, bias, out_dtype: torch
     numel = product.numel()
     if numel:
         block = 4096
-        _scale_output_kernel[(triton.cdiv(numel, block),)](
+        launch(
+            _scale_output_kernel, (triton.cdiv(numel, block),),
             product, a_scale.tensor, (b_scale or a_scale).tensor, bias if bias is not None else product, out, numel, product.shape[-1],
             A_AMAX_MAX=a_scale.amax_max or 0.0, HAS_B=b_scale is not None, B_AMAX_MAX=(b_scale.amax_max or 0.0) if b_scale else 0.0,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=8, enable_fp_fusion=False,

@@ -15,6 +15,7 @@ from qtensor.formats.mxfp8 import MXFP8Storage
 from qtensor.formats.nvfp4 import NVFP4Storage
 
 from . import mxfp8, nvfp4
+from .launch import launch
 
 
 @triton.jit
@@ -43,7 +44,8 @@ def cast(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht, tile=_C
     col = NVFP4Storage.empty_buffers(("data", "scale_inv"), "columnwise", M, N, x.device, rht=rht)
     if M and N:
         block_n, vec, warps = nvfp4._tile_columns(x, tile)
-        _cast_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
+        launch(
+            _cast_kernel, (triton.cdiv(M, 16), triton.cdiv(N, block_n)),
             x, M, N, x.stride(0), row[0].view(torch.uint8), row[1], column_amax, keys if keys is not None else column_amax,
             *nvfp4._kernel_view(col, col_length), col_length,
             FP8_MAX=mxfp8._FP8_MAX[fp8_dtype], EMAX=mxfp8._ELEMENT_EMAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from qtensor.formats.mxfp8 import MXFP8Storage
+from .launch import launch
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _ELEMENT_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
@@ -116,7 +117,8 @@ def cast(x: torch.Tensor, fp8_dtype: torch.dtype, scale_rounding: str, rowwise: 
     if M and N:
         block_m, block_n, warps = block or _CAST_TILE
         some = row or col
-        _cast_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        launch(
+            _cast_kernel, (triton.cdiv(M, block_m), triton.cdiv(N, block_n)),
             x, *(p.view(torch.uint8) for p in (row or some)), *(p.view(torch.uint8) for p in (col or some)), M, N, x.stride(0),
             FP8_MAX=_FP8_MAX[fp8_dtype], EMAX=_ELEMENT_EMAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2,
             RCEIL=scale_rounding == "rceil", ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
@@ -168,7 +170,8 @@ def dequantize(data: torch.Tensor, codes: torch.Tensor, along_rows: bool, out_dt
     out = torch.empty((M, N), dtype=out_dtype, device=data.device)
     block_m, block_n, warps = block or _DEQUANTIZE_TILE
     if M and N:
-        _dequantize_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        launch(
+            _dequantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(N, block_n)),
             data.contiguous().view(torch.uint8), codes.contiguous(), out, M, N,
             ALONG_ROWS=along_rows, E5M2=data.dtype == torch.float8_e5m2, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )

@@ -29,6 +29,7 @@ from qtensor.formats.nvfp4 import _MIX_MULTIPLIERS, _RHT_NEGATIVE_MASK, NVFP4Sto
 
 from .float8 import _like
 from .mxfp8 import _block_amax, _pow2
+from .launch import launch
 
 BLOCK = tl.constexpr(16)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -341,7 +342,8 @@ def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, 
         block_n, vec, warps = _tile_columns(x, tile or _CAST_TILE["nearest" if keys is None else "stochastic"])
         some = row or col  # stands in for the absent direction, whose pointers the kernel never uses
         some = (some[0], some[1].view(torch.uint8))
-        _cast_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
+        launch(
+            _cast_kernel, (triton.cdiv(M, 16), triton.cdiv(N, block_n)),
             x, M, N, x.stride(0), global_amax, column_amax, keys if keys is not None else global_amax,
             *(_kernel_view(row, N) if row else some), *(_kernel_view(col, col_length) if col else some), col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
@@ -372,7 +374,7 @@ def amaxes(x: torch.Tensor, tile=_AMAXES_TILE):
     grid = (max(triton.cdiv(M, 16), 1), max(triton.cdiv(N, block_n), 1))
     partials = torch.zeros((2, grid[0] * grid[1]), dtype=torch.float32, device=x.device)
     if M and N:
-        _amaxes_kernel[grid](x, M, N, x.stride(0), partials, BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False)
+        launch(_amaxes_kernel, grid, x, M, N, x.stride(0), partials, BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False)
     both = partials.amax(dim=1)
     return both[0], both[1]
 
@@ -412,7 +414,8 @@ def dequantize(data, scale_inv, length: int, out_dtype: torch.dtype, global_amax
     out = torch.empty((R, length), dtype=out_dtype, device=data.device)
     block_r, block_c, warps = block or _DEQUANTIZE_TILE
     if R and length:
-        _dequantize_kernel[(triton.cdiv(R, block_r), triton.cdiv(length, block_c))](
+        launch(
+            _dequantize_kernel, (triton.cdiv(R, block_r), triton.cdiv(length, block_c)),
             data.contiguous().view(torch.int64) if length % 16 == 0 else data.contiguous(), scale_inv.contiguous().view(torch.uint8), global_amax if global_amax is not None else data, out, R, length,
             TENSOR_SCALE=global_amax is not None, WORDS=length % 16 == 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False,
         )

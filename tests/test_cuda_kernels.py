@@ -547,3 +547,54 @@ def test_nvfp4_amaxes_kernel_is_the_reference(rht):
     with reference_kernels():
         assert torch.equal(plain, finite_amax(x.float()))
         assert torch.equal(transformed, finite_amax(apply_rht(pad_to_multiple(x.float().t(), 16, dim=1))))
+
+
+def test_launch_key_is_never_coarser_than_tritons_specialization():
+    """The direct launch (qtensor_kernels/launch.py) reuses a compiled kernel for every call of one
+    launch key: two arguments of one key must get one Triton specialization, for every kind of
+    argument the kernels take (ints around 1, 16 and the int32 range, aligned and misaligned
+    pointers of several dtypes, floats, bools)."""
+    from qtensor_kernels import float8 as float8_kernels
+    from qtensor_kernels.launch import launch_key, triton_specialization
+
+    base = torch.zeros(256, dtype=torch.uint8, device="cuda")
+    tensors = [base, base[16:], base[1:], base[8:], base.view(torch.float32), base[4:].view(torch.float32), base.view(torch.bfloat16)]
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32, 2**63, -1, -16, -(2**31), -(2**31) - 16]
+    kernel = float8_kernels._dequantize_kernel  # (data_ptr, scale_inv_ptr, out_ptr, n, E5M2, BLOCK)
+    seen = {}
+    for data in tensors:
+        for n in ints:
+            args = (data, tensors[0], tensors[4], n)
+            key, specialization = launch_key(*args), triton_specialization(kernel, *args, E5M2=False, BLOCK=4096)
+            assert seen.setdefault(key, specialization) == specialization, (key, specialization, seen[key])
+    assert len(seen) > 10  # the rule tells many cases apart
+    # Floats and bools: Triton specializes on the type alone.
+    scalar_kernel = float8_kernels._delayed_scale_kernel  # (history_ptr, scale_ptr, epsilon, ...)
+    constexprs = dict(LENGTH=4, BLOCK=4, MOST_RECENT=False, FP8_MAX=448.0, MARGIN_FACTOR=1.0, POW2=False)
+    for epsilon in (0.0, 1.0, 1e-3, -2.5):
+        key = launch_key(base.view(torch.float32), base.view(torch.float32), epsilon)
+        specialization = triton_specialization(scalar_kernel, base.view(torch.float32), base.view(torch.float32), epsilon, **constexprs)
+        assert seen.setdefault(key, specialization) == specialization
+
+
+def test_direct_launches_equal_launches_through_triton():
+    """Casts of misaligned and aligned inputs of one shape (two Triton specializations), launched
+    directly from the kept compiled kernels, give the bytes of the same casts launched through
+    kernel[grid] (as with a launch hook set); a warm launch never goes through kernel[grid]."""
+    from qtensor_kernels import float8 as float8_kernels
+    from qtensor_kernels import launch as launch_module
+
+    quantizer = qtensor.Float8Quantizer()
+    flat = varied(65, 256, seed=3).to(torch.bfloat16).reshape(-1)
+    # 16-byte aligned, 2 bytes past, 16 bytes past, 6 bytes past.
+    inputs = [flat[offset : offset + 64 * 256].reshape(64, 256) for offset in (0, 1, 8, 3)]
+    for x in inputs:
+        quantizer.quantize(x)  # the first launch of each key compiles and keeps the kernel
+    not_direct = AssertionError("a warm launch went through kernel[grid]")
+    with mock.patch.object(float8_kernels._cast_kernel, "run", side_effect=not_direct), \
+            mock.patch.object(float8_kernels._amax_partials_kernel, "run", side_effect=not_direct):
+        direct = [raw(quantizer.quantize(x)) for x in inputs * 2]
+    with mock.patch.object(launch_module, "_hooked", lambda: True):
+        through_triton = [raw(quantizer.quantize(x)) for x in inputs * 2]
+    for a, b in zip(direct, through_triton):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
