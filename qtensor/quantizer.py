@@ -50,8 +50,22 @@ class Quantizer:
         return {name: getattr(self, name) for name in self._config_names()}
 
     def config_key(self) -> tuple:
-        """Hashable configuration: what `==` and `hash` compare. Running state is not part of it."""
-        return (type(self).__name__, tuple((n, v.config_key() if isinstance(v, Quantizer) else v) for n, v in self.config().items()))
+        """Hashable configuration: what `==` and `hash` compare. Running state is not part of it.
+
+        torch.compile compares the quantizers a weight carries on every call of a compiled graph,
+        so the key is kept until any attribute of this quantizer is written (`__setattr__`); a
+        quantizer holding other quantizers (a hybrid's children) builds its key from theirs each time."""
+        key = self.__dict__.get("_config_key")
+        if key is None:
+            config = self.config()
+            key = (type(self).__name__, tuple((n, v.config_key() if isinstance(v, Quantizer) else v) for n, v in config.items()))
+            if not any(isinstance(v, Quantizer) for v in config.values()):
+                self.__dict__["_config_key"] = key
+        return key
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_config_key", None)  # the configuration may change: config_key computes it again
+        object.__setattr__(self, name, value)
 
     def __eq__(self, other) -> bool:
         # By value (two quantizers with one configuration make byte-compatible tensors), so that

@@ -134,6 +134,29 @@ def test_compiled_training_matches_eager_and_does_not_recompile(recipe, weights,
         assert all(int((h >= 0).sum()) == 3 for q in used for h in q.state_buffers().values())
 
 
+
+@pytest.mark.parametrize("recipe", ["float8_current", "mxfp8_fwd_nvfp4_bwd"])
+def test_changing_a_quantizer_after_compiling_recompiles(recipe):
+    """A compiled graph guards on the quantizers each weight carries (their configuration is kept
+    between calls, the guard runs on every call): writing a quantizer's option afterwards makes the
+    next call compile again, and its output is the eager model's with the same change."""
+    eager = mlp(recipe, "dynamic")
+    compiled_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_model, backend=counter)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+    before = compiled(x)
+    for model in (eager, compiled_model):
+        quantizer = model[0].weight.linear_quantizers.input.quantizer_for("rowwise")
+        quantizer.fp8_dtype = torch.float8_e5m2  # an option every format here takes
+    after = compiled(x)
+    assert counter.frame_count == 2
+    torch.testing.assert_close(after, eager(x), rtol=0, atol=0)
+    assert not torch.equal(after, before)
+
+
 INDUCTOR_CASES = [
     "float8_current",
     pytest.param("mxfp8", marks=pytest.mark.xfail(
