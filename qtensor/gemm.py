@@ -221,9 +221,10 @@ def _block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dt
 class Backend:
     """A fast GEMM. `operand` names the Storage method that gives the form it multiplies, which both
     storages must offer; `capable` tests the device; `gemm` computes the product (see the fast
-    backends above) and may use reduced-precision accumulation only where it is allowed to. `exclusive`: a pair whose storages both offer the form runs here or on the
-    reference, never on a later backend (its form is asked for even where the device fails the
-    test, so it must be cheap: `Storage.fp8_tensorwise_operand`)."""
+    backends above) and may use reduced-precision accumulation only where it is allowed to.
+    `exclusive`: a pair whose storages both offer the form runs here or on the reference, never on
+    a later backend (its form is asked for even where the device fails the test, so it must be
+    cheap: `Storage.fp8_tensorwise_operand`)."""
 
     name: str
     operand: str

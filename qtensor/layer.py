@@ -73,8 +73,8 @@ class LinearQuantizers:
     @property
     def records_amaxes(self) -> bool:
         """True when a cast of this layer can record an amax (delayed scaling keeps running state):
-        only then do its casts run inside running_state.noting(). Computed once (the quantizers'
-        configuration never changes)."""
+        only then do its casts run inside running_state.noting(). Computed once: whether a quantizer
+        keeps running state is settled when it is built (delayed scaling makes its history then)."""
         value = self.__dict__.get("_records_amaxes")
         if value is None:
             value = bool(self.state_buffers())

@@ -179,7 +179,7 @@ def exact_quotient(numerator, denominator: torch.Tensor) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, max_value: float, margin: int = 0) -> torch.Tensor:
     """fp32 `(max_value / amax) / 2**margin`, 1 when amax is 0, FLT_MAX when it overflows."""
     scale = exact_quotient(fp32(max_value, amax.device), amax)
-    if margin:  # a power of two: exact in fp32
+    if margin:  # 2**margin is an fp32 number (margin <= 127): dividing by it equals multiplying by 2**-margin
         scale = scale * fp32(2.0**-margin, amax.device)
     scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
     return torch.where(amax == 0, 1.0, scale)

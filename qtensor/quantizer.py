@@ -53,7 +53,7 @@ class Quantizer:
         """Hashable configuration: what `==` and `hash` compare. Running state is not part of it.
 
         torch.compile compares the quantizers a weight carries on every call of a compiled graph,
-        so the key is kept until any attribute of this quantizer is written (`__setattr__`); a
+        so the key is kept until one of its configuration attributes is written (`__setattr__`); a
         quantizer holding other quantizers (a hybrid's children) builds its key from theirs each time."""
         key = self.__dict__.get("_config_key")
         if key is None:
@@ -64,7 +64,8 @@ class Quantizer:
         return key
 
     def __setattr__(self, name, value):
-        self.__dict__.pop("_config_key", None)  # the configuration may change: config_key computes it again
+        if name in self._config_names():  # the configuration changes (running state does not count)
+            self.__dict__.pop("_config_key", None)
         object.__setattr__(self, name, value)
 
     def __eq__(self, other) -> bool:

@@ -97,9 +97,9 @@ def test_delayed_scaling_first_cast_uses_unit_scale_even_with_amax_epsilon():
                             "second cast scale_inv (history amax 3 floored to 4)")
 
 
-@pytest.mark.parametrize("options", [dict(margin=2), dict(force_pow_2_scales=True),
+@pytest.mark.parametrize("options", [dict(margin=2), dict(margin=127), dict(force_pow_2_scales=True),
                                      dict(amax_epsilon=2.0**25, margin=1, force_pow_2_scales=True)],
-                         ids=["margin", "pow2", "epsilon_margin_pow2"])
+                         ids=["margin", "largest_margin", "pow2", "epsilon_margin_pow2"])
 def test_delayed_scaling_options_match_oracle(inputs, options):
     quantizer = qtensor.Float8Quantizer(scaling="delayed", **options)
     reference = oracle.Float8Delayed("e4m3", **options)

@@ -395,6 +395,7 @@ def test_scalar_input_is_a_value_error():
         lambda: qtensor.Float8Quantizer(fp8_dtype=torch.float16),
         lambda: qtensor.Float8Quantizer(amax_compute_algo="mean"),
         lambda: qtensor.Float8Quantizer(margin=-3.5),
+        lambda: qtensor.Float8Quantizer(scaling="delayed", margin=128),
         lambda: qtensor.Float8Quantizer(amax_epsilon="x"),
         lambda: qtensor.MXFP8Quantizer(scale_rounding="nearest"),
         lambda: qtensor.NVFP4Quantizer(block_2d=True, rht=True),

@@ -45,6 +45,10 @@ def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.
     return data.float() * scale_inv
 
 
+# The largest margin: 2**127 is the largest power of two fp32 holds, so dividing by 2**margin equals
+# multiplying by the exact 2**-margin (numerics.scale_from_amax).
+MAX_MARGIN = 127
+
 # An amax history entry that no cast has filled yet (an amax is never negative).
 UNRECORDED = -1.0
 
@@ -123,8 +127,9 @@ class Float8Quantizer(Quantizer):
             raise ValueError(f"Float8Quantizer: amax_history_len must be a positive int, got {amax_history_len!r}.")
         if not isinstance(amax_epsilon, (int, float)) or amax_epsilon < 0:
             raise ValueError(f"Float8Quantizer: amax_epsilon must be a number >= 0, got {amax_epsilon!r}.")
-        if not isinstance(margin, int) or margin < 0:
-            raise ValueError(f"Float8Quantizer: margin must be an int >= 0 (scale / 2**margin), got {margin!r}.")
+        if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= MAX_MARGIN:
+            # Past 127, 2**margin is not an fp32 number and every scale would be 0.
+            raise ValueError(f"Float8Quantizer: margin must be an int from 0 to {MAX_MARGIN} (scale / 2**margin), got {margin!r}.")
         if not isinstance(force_pow_2_scales, bool):
             raise ValueError(f"Float8Quantizer: force_pow_2_scales must be True or False, got {force_pow_2_scales!r}.")
         self.fp8_dtype = fp8_dtype
