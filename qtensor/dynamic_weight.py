@@ -14,7 +14,7 @@ from .layer import LinearQuantizers
 from .numerics import ceil_div, pre_reduced_amaxes, reduce_amax_over
 from .quantizer import fold_to_2d
 from .tensor import QuantizedTensor
-from .weight import GatheredCast, LayerWeight, quantized_weight, refuse_split_off_dim0
+from .weight import GatheredCast, LayerWeight, quantized_weight
 
 
 class DynamicWeight(LayerWeight, torch.Tensor):
@@ -231,8 +231,6 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and isinstance(args[0], DynamicWeight):
-            refuse_split_off_dim0(args[0], func, args, kwargs)
         if func is aten.copy_.default and isinstance(args[1], DynamicWeight) and layer_state.has_bound_state(args[1]):
             return _write_back(*args[:2])
         weights = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DynamicWeight)]

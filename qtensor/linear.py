@@ -23,6 +23,7 @@ import torch
 from . import gemm, layer_state, running_state
 from .kernels import is_fake
 from .layer import LinearQuantizers
+from .numerics import reduce_amax_over
 from .quantizer import INPUT_DTYPES, Quantizer, fold_to_2d
 from .storage import _buffer_names
 from .tensor import QuantizedTensor
@@ -122,15 +123,17 @@ class QuantizedLinearFunction(torch.autograd.Function):
     """y = x · Wᵀ + b with each GEMM on the operands the layer's quantizers chose."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool, state: dict | None):
+    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool, state: dict | None, shards=None):
         override = linear.backward_override
         quantized_backward = override is None
         training = input_needs_grad or weight_needs_grad
         # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
         x2d = fold_to_2d(x)
         with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
-            x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
-        w_q, weight_notes, version = weight.linear_operand(columnwise=input_needs_grad and quantized_backward, training=training)
+            with _sharded(shards, "input"):
+                x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
+        with _sharded(shards, "weight"):
+            w_q, weight_notes, version = weight.linear_operand(columnwise=input_needs_grad and quantized_backward, training=training)
         # A weight's amax is recorded once per version of its values, by the first training step
         # that uses them (an evaluation forward's cast, reused by FSDP2, records nothing itself).
         running = linear.running
@@ -154,6 +157,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         ctx.linear = linear
         # An evaluation or inference forward has no backward: its notes are dropped here.
         ctx.state, ctx.amax_notes = state, (notes if training else [])
+        ctx.shards = shards
         ctx.needs_grad = (input_needs_grad, weight_needs_grad)
         ctx.input_cast_slot = _input_cast_slot()
         ctx.x_meta = (x.shape, x.dtype)
@@ -183,7 +187,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
             with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
                 if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
                     # Quantized once, with both usages the two backward GEMMs need.
-                    grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)
+                    with _sharded(ctx.shards, "grad_output"):
+                        grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)
             # The step's amaxes, the forward's and the gradient's, reduced over the data-parallel group.
             running_state.write(ctx.amax_notes + notes, linear.running.group())
 
@@ -196,18 +201,32 @@ class QuantizedLinearFunction(torch.autograd.Function):
                 grad_weight = grad_weight.t()
         if ctx.needs_input_grad[2]:
             grad_bias = grad_2d.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _sharded(shards: dict | None, role: str):
+    """Inside, the casts of `role`'s tensor reduce their tensor-wide amaxes over the process group
+    `shards` names for it: the tensor is one shard of a larger one (tensor parallelism), and every
+    shard must take the scale the whole tensor would."""
+    group = shards.get(role) if shards else None
+    return reduce_amax_over(group) if group is not None else contextlib.nullcontext()
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with the quantizers the layer weight `weight` carries."""
+    """F.linear with the quantizers the layer weight `weight` carries. A weight that is the local
+    shard of a tensor-parallel layer (tensor_parallel.py) runs that layer's linear."""
+    distributed = weight.__dict__.get("tensor_parallel")
+    if distributed is not None:
+        return distributed.linear(x, weight, bias)
     # Subclass __torch_function__ off from here: the weight's shape, dtype and requires_grad are read
     # as a plain tensor's, without a trip through routing for each.
     with torch._C.DisableTorchFunctionSubclass():
-        return _quantized_linear(x, weight, bias)
+        return local_linear(x, weight, bias)
 
 
-def _quantized_linear(x, weight, bias):
+def local_linear(x, weight, bias, shards: dict | None = None):
+    """The quantized linear of plain (local) tensors. `shards` maps a role to the process group over
+    which its tensor is sharded (tensor parallelism): its casts reduce their amaxes over it."""
     linear = weight.linear_quantizers
     name = linear.name or "a quantized linear layer"
     if x.dim() == 0 or x.shape[-1] != weight.in_features:
@@ -233,6 +252,6 @@ def _quantized_linear(x, weight, bias):
     state = layer_state.traced_state_of(weight)
     needs = (grad_enabled and x.requires_grad, grad_enabled and weight.requires_grad)
     if not state:
-        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state)
+        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state, shards)
     with linear.using_state(state):
-        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state)
+        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state, shards)

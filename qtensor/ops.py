@@ -127,22 +127,34 @@ def slice_dim0(self: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
     return self.map_storages(lambda storage: storage.slice_rows(row_start, row_stop), shape=shape)
 
 
-def _splits_dim0(self, dim) -> bool:
-    return self.dim() >= 2 and dim % self.dim() == 0
+def slice_last_dim(self: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+    """Indices `[start, stop)` along the last dimension (the columns of the 2-D view), keeping block
+    boundaries (raises ValueError otherwise): a row-parallel weight's shard."""
+    shape = torch.Size([*self.shape[:-1], stop - start])
+    return self.map_storages(lambda storage: storage.slice_cols(start, stop), shape=shape)
+
+
+def _piece_of(self, dim):
+    """How a split along `dim` cuts the tensor: slice_dim0, slice_last_dim, or None (values)."""
+    if self.dim() < 2:
+        return None
+    dim %= self.dim()
+    return slice_dim0 if dim == 0 else slice_last_dim if dim == self.dim() - 1 else None
 
 
 @implements(aten.split.Tensor, aten.split_with_sizes.default)
 def _split(func, args, kwargs):
     a = bind(func, args, kwargs)
     self, sizes = a["self"], a.get("split_size", a.get("split_sizes"))
-    if not _splits_dim0(self, a["dim"]):
+    piece = _piece_of(self, a["dim"])
+    if piece is None:
         return dequantized_fallback(func, args, kwargs)
-    length = self.shape[0]
+    length = self.shape[a["dim"]]
     if isinstance(sizes, int):
         sizes = [min(sizes, length - start) for start in range(0, length, sizes)] or [0]
     pieces, start = [], 0
     for size in sizes:
-        pieces.append(slice_dim0(self, start, start + size))
+        pieces.append(piece(self, start, start + size))
         start += size
     return pieces
 
@@ -151,10 +163,11 @@ def _split(func, args, kwargs):
 def _slice(func, args, kwargs):
     a = bind(func, args, kwargs)
     self = a["self"]
-    if not _splits_dim0(self, a["dim"]) or a["step"] != 1:
+    piece = _piece_of(self, a["dim"])
+    if piece is None or a["step"] != 1:
         return dequantized_fallback(func, args, kwargs)
-    start, end, _ = slice(a["start"], a["end"]).indices(self.shape[0])
-    return slice_dim0(self, start, max(start, end))
+    start, end, _ = slice(a["start"], a["end"]).indices(self.shape[a["dim"]])
+    return piece(self, start, max(start, end))
 
 
 @implements(aten.copy_.default)
@@ -323,3 +336,52 @@ def _is_pinned(func, args, kwargs):
 @implements(aten._pin_memory.default)
 def _pin_memory(func, args, kwargs):
     return args[0].map_buffers(torch.Tensor.pin_memory)
+
+
+# ---- collectives that move a quantized tensor whole (DTensor's distribute_tensor from one rank) ------
+def _wire(buffer: torch.Tensor) -> torch.Tensor:
+    """A buffer as a collective carries it: contiguous, one-byte dtypes as uint8 (gloo has no float8)."""
+    buffer = buffer.contiguous()
+    return buffer.view(torch.uint8) if buffer.element_size() == 1 and buffer.dtype != torch.uint8 else buffer
+
+
+def _buffer_lists(tensors) -> list[list[torch.Tensor]]:
+    """Each tensor's buffers, direction by direction in layout order (the same order on every rank)."""
+    return [[getattr(s, spec.name) for _, s in _storages(t) for spec in s.buffer_specs()] for t in tensors]
+
+
+def _buffer_by_buffer(func, outputs, inputs, run) -> tuple:
+    """A collective over quantized `outputs` (and `inputs`, lists of them) run once per buffer:
+    `run(output buffers, input buffers)` on the wire forms, waited on, each output buffer then
+    holding what arrived. Returns what the op returns: the outputs and the last Work."""
+    for tensor in [*outputs, *(t for group in inputs for t in group)]:
+        if not isinstance(tensor, QuantizedTensor) or not byte_compatible(outputs[0], tensor):
+            raise ValueError(f"{func}: every tensor must be a quantized tensor of one layout; got {type(tensor).__name__}.")
+    outs, ins = _buffer_lists(outputs), [_buffer_lists(group) for group in inputs]
+    work = None
+    for index in range(len(outs[0])):
+        wired = [_wire(buffers[index]) for buffers in outs]
+        _, work = run(wired, [[_wire(buffers[index]) for buffers in group] for group in ins])
+        work.wait()
+        for buffers, received in zip(outs, wired):
+            if buffers[index].data_ptr() != received.data_ptr():
+                buffers[index].copy_(received.view(buffers[index].dtype))
+    for tensor in outputs:
+        mark_scales(tensor, True)  # every rank now holds the source rank's bytes and scales
+    return list(outputs), work
+
+
+@implements(torch.ops.c10d.scatter_.default)
+def _scatter(func, args, kwargs):
+    """dist.scatter of quantized tensors: each buffer's bytes scattered from the source rank."""
+    a = bind(func, args, kwargs)
+    rest = (a["process_group"], a["root_rank"], a["async_op"], a["timeout"])
+    return _buffer_by_buffer(func, a["output_tensors"], a["input_tensors"], lambda outs, ins: func(outs, ins, *rest))
+
+
+@implements(torch.ops.c10d.broadcast_.default)
+def _broadcast(func, args, kwargs):
+    """dist.broadcast of quantized tensors: each buffer's bytes from the source rank."""
+    a = bind(func, args, kwargs)
+    rest = (a["process_group"], a["root_rank"], a["root_tensor"], a["async_op"], a["timeout"])
+    return _buffer_by_buffer(func, a["tensors"], [], lambda outs, ins: func(outs, *rest))

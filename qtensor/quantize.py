@@ -15,7 +15,8 @@ from .dynamic_weight import DynamicWeight
 from .layer import LayerRunning, LinearQuantizers, carries_quantizers
 from .recipe import Recipe
 from .tensor import QuantizedTensor
-from .weight import quantized_weight, refuse_tensor_parallel
+from . import tensor_parallel
+from .weight import quantized_weight
 
 WEIGHT_MODES = ("dynamic", "quantized")
 
@@ -318,8 +319,10 @@ def _install(site: LinearSite, linear: LinearQuantizers, weights: str) -> None:
     layers[site.attribute] = (linear, weights)
     if "_qtensor_hooks" not in module.__dict__:
         module._qtensor_hooks = [
-            # Tensor parallelism would run the layer unquantized: refused at the first forward.
-            module.register_forward_pre_hook(refuse_tensor_parallel),
+            # Tensor parallelism: for each forward the weight attribute is the local shard, which runs
+            # the layer's quantized linear on local tensors (tensor_parallel.py).
+            module.register_forward_pre_hook(tensor_parallel.enter),
+            module.register_forward_hook(tensor_parallel.leave, always_call=True),
             # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
             module.register_load_state_dict_post_hook(_reinstall_after_load),
             # A dynamic weight's entry is its plain values; running state (amax histories) is added.

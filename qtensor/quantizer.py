@@ -22,6 +22,9 @@ def fold_to_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+_SHARD_BLOCKS: dict[tuple, tuple[int, int]] = {}  # Quantizer.shard_block by configuration
+
+
 class Quantizer:
     """Turns a high-precision tensor into a QuantizedTensor of one format.
 
@@ -101,6 +104,17 @@ class Quantizer:
         restricts this where its kernels need it, and qtensor.quantize_ skips such layers.
         """
         return None
+
+    def shard_block(self) -> tuple[int, int]:
+        """(rows, columns) such that a shard of a tensor whose edges fall on multiples of them,
+        quantized with the whole tensor's tensor-wide amaxes, holds exactly its slice of the whole
+        tensor's quantization: the largest block of either direction's stored layout."""
+        key = self.config_key()
+        if key not in _SHARD_BLOCKS:
+            probe = self.copy().quantize(torch.zeros(1, 1), rowwise=True, columnwise=True)
+            storages = [s for s in (probe.rowwise, probe.columnwise) if s is not None]
+            _SHARD_BLOCKS[key] = (max(s.row_block() for s in storages), max(s.col_block() for s in storages))
+        return _SHARD_BLOCKS[key]
 
     def quantizer_for(self, direction: str) -> "Quantizer":
         """The quantizer that makes this quantizer's `direction` storage (a hybrid's child)."""

@@ -28,6 +28,9 @@ def holds_storages(tensor) -> bool:
     return isinstance(getattr(tensor, "rowwise", None), Storage) or isinstance(getattr(tensor, "columnwise", None), Storage)
 
 
+UNDECLARED = "undeclared"  # a Buffer's col_axis no layout gave
+
+
 @dataclass(frozen=True)
 class Buffer:
     """One buffer of a storage as its layout declares it.
@@ -38,6 +41,11 @@ class Buffer:
     zero-padded to that multiple (NVFP4 columnwise with the Hadamard transform). `row_axis=None`
     marks a tensor-wide buffer: one value for all rows (Float8's `scale_inv`, NVFP4's `global_amax`),
     shared by every row slice.
+
+    `col_axis` and `cols_per_entry` say the same of the columns (32 for MXFP8 rowwise scales, 2 for
+    NVFP4 rowwise bytes); `col_axis=None` marks a buffer every column slice shares (a tensor-wide
+    one, or one scale per row for all of its columns). A layout that leaves it `UNDECLARED` cannot
+    be split along its columns (tensor parallelism's row-parallel weights are).
     """
 
     name: str
@@ -46,10 +54,16 @@ class Buffer:
     row_axis: int | None = 0
     rows_per_entry: int = 1
     rows_padded_to: int = 1
+    col_axis: int | None | str = "undeclared"
+    cols_per_entry: int = 1
 
     @property
     def tensor_wide(self) -> bool:
         return self.row_axis is None
+
+    @property
+    def follows_columns(self) -> bool:
+        return self.col_axis is not None and self.col_axis != UNDECLARED
 
     def entries(self, rows: int) -> int:
         """How many indices along the row axis `rows` rows occupy."""
@@ -313,6 +327,71 @@ class Storage:
         if not whole:
             piece.slice_of = (self, start, stop)  # what ops.copy_ checks before requantizing it
         return piece
+
+    def col_block(self) -> int:
+        """Column ranges must start (and, but at the last column, end) on multiples of this."""
+        undeclared = [b.name for b in self.buffer_specs() if b.col_axis == UNDECLARED]
+        if undeclared:
+            raise ValueError(
+                f"{self.format_name}: its layout declares no column axis for {undeclared}, so a "
+                f"{self.format_name} tensor cannot be split along its columns (declare col_axis in layout())."
+            )
+        return max([b.cols_per_entry for b in self.buffer_specs() if b.follows_columns] or [1])
+
+    def slice_cols(self, start: int, stop: int) -> "Storage":
+        """The storage of columns `[start, stop)` of the 2-D view (sharing memory with this one): what
+        a row-parallel weight's shard holds. Both edges must fall on block boundaries (or `stop` on
+        the last column); buffers shared by every column are shared by the slice, which, like a row
+        slice, then may not requantize them."""
+        block = self.col_block()
+        for edge in (start, stop):
+            if edge % block and edge != self.cols:
+                raise ValueError(
+                    f"{self.format_name} {self.direction} blocks span {block} columns; a column range "
+                    f"[{start}, {stop}) of a tensor with {self.cols} columns (2-D view "
+                    f"[{self.rows}, {self.cols}]) breaks a block. Split at multiples of {block} columns."
+                )
+        pieces = {}
+        for spec in self.buffer_specs():
+            buffer = getattr(self, spec.name)
+            if not spec.follows_columns:
+                pieces[spec.name] = buffer
+            else:
+                first, last = ceil_div(start, spec.cols_per_entry), ceil_div(stop, spec.cols_per_entry)
+                pieces[spec.name] = buffer.narrow(spec.col_axis, first, last - first)
+        whole = start == 0 and stop == self.cols
+        piece = type(self)(
+            direction=self.direction,
+            rows=self.rows,
+            cols=stop - start,
+            row_slice=self.row_slice or not whole,
+            **self.options,
+            **pieces,
+        )
+        return piece
+
+    @classmethod
+    def cat_cols(cls, pieces: list["Storage"]) -> "Storage":
+        """Column pieces (in order) back into one storage, every piece but the last ending on a
+        block boundary and all sharing the buffers that do not follow the columns."""
+        first = pieces[0]
+        block = first.col_block()
+        for index, piece in enumerate(pieces):
+            if type(piece) is not type(first) or (piece.direction, piece.rows, piece.options) != (first.direction, first.rows, first.options):
+                raise ValueError(f"cat_cols: piece {index} ({piece!r}) is not the same kind of storage as piece 0 ({first!r}).")
+            if index < len(pieces) - 1 and piece.cols % block:
+                raise ValueError(f"cat_cols: piece {index} has {piece.cols} columns; every piece but the last must hold a multiple of {block}.")
+        joined = {}
+        for spec in first.buffer_specs():
+            buffers = [getattr(piece, spec.name) for piece in pieces]
+            if spec.follows_columns:
+                joined[spec.name] = torch.cat(buffers, dim=spec.col_axis)
+            elif any(b is not buffers[0] and not torch.equal(b, buffers[0]) for b in buffers):
+                raise ValueError(f"cat_cols: the pieces hold different {spec.name} values, which every column shares.")
+            else:
+                joined[spec.name] = buffers[0]
+        cols = sum(piece.cols for piece in pieces)
+        return type(first)(direction=first.direction, rows=first.rows, cols=cols, **first.options, **joined)
 
     def rest_is_zero(self) -> bool:
         """For a row slice: every row of what it was cut from, outside it, holds zero (so a new

@@ -420,6 +420,10 @@ def dequantized_fallback(func, args, kwargs):
             original.copy_(written)
             if out is written:
                 out = original
+        elif isinstance(original, (list, tuple)):  # a Tensor[] the op writes into (a collective's outputs)
+            for target, values in zip(original, written):
+                if isinstance(target, QuantizedTensor):
+                    target.copy_(values)
     return out
 
 

@@ -22,13 +22,8 @@ import torch
 
 from . import fsdp, layer_state, routing
 from .layer import LinearQuantizers
-from .ops import bind, byte_compatible, copy_storages
+from .ops import byte_compatible, copy_storages
 from .tensor import QuantizedTensor
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed support: no DTensor to meet
-    DTensor = None
 
 aten = torch.ops.aten
 
@@ -66,40 +61,6 @@ class LayerWeight:
         """What FSDP2's mesh tells the layer: its group reduces the layer's amaxes (unless the user
         chose a group)."""
         self.linear_quantizers.running.mesh_group = mesh.get_group()
-
-
-def refuse_split_off_dim0(weight, func, args, kwargs) -> None:
-    """A layer weight is sharded only along dim 0 (FSDP2). A split or slice along another dimension
-    is tensor parallelism's RowwiseParallel (or a user's), which qtensor does not support yet: refuse
-    it rather than hand out a piece that would run unquantized."""
-    if func not in _SPLITS or weight.dim() < 2:
-        return
-    dim = bind(func, args, kwargs)["dim"]
-    if dim % weight.dim() != 0:
-        raise NotImplementedError(
-            f"{weight.linear_quantizers.parameter_name}: a quantized layer's weight is split along dim {dim} "
-            "(tensor parallelism's RowwiseParallel shards weights that way). qtensor does not support tensor "
-            "parallelism yet, and the layer would run unquantized; keep this layer out of quantize_ "
-            "(filter_fn) or out of parallelize_module."
-        )
-
-
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default, aten.chunk.default)
-
-
-def refuse_tensor_parallel(module: torch.nn.Module, args) -> None:
-    """Forward pre-hook of every quantized module: a weight that is a DTensor at forward time was
-    distributed by tensor parallelism (FSDP2 hands the forward an unsharded plain tensor), and its
-    DTensor dispatch would run the layer in high precision. Raise, naming the layer."""
-    for attribute, (linear, _) in module.__dict__.get("_qtensor_layers", {}).items():
-        weight = module._parameters.get(attribute)
-        if DTensor is not None and isinstance(weight, DTensor):
-            raise NotImplementedError(
-                f"layer {linear.name or '<root>'!r}: its weight {linear.parameter_name} is a DTensor placed "
-                f"{tuple(weight.placements)} at forward time, which is tensor parallelism (parallelize_module's "
-                "ColwiseParallel / RowwiseParallel). qtensor does not support tensor parallelism yet, and the "
-                "layer would run unquantized. Keep the layer out of quantize_ (filter_fn) or out of parallelize_module."
-            )
 
 
 # ---- quantized weights: a format's tensor class with the layer weight's behaviour -------------------
@@ -143,8 +104,6 @@ class QuantizedWeight(LayerWeight):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         weight = args[0] if args and isinstance(args[0], QuantizedWeight) else None
-        if weight is not None:
-            refuse_split_off_dim0(weight, func, args, kwargs)
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except ValueError as error:

@@ -541,15 +541,6 @@ def run_distributed(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        run_distributed(sys.argv[1])
-    except BaseException:
-        import traceback
+    from workers import worker_main
 
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # docs/design.md, FSDP2: a 2-process gloo run can abort at interpreter exit; leave without the teardown.
-    os._exit(code)
+    worker_main(run_distributed)

@@ -6,7 +6,6 @@ its results with the same scenarios run in this process.
 
 import ast
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,14 +16,9 @@ import qtensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdp_cases  # noqa: E402
+import workers  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +33,7 @@ def distributed(tmp_path_factory):
         fsdp_cases.train(model, weights)
         dcp.save(model.state_dict(), checkpoint_id=str(out.parent / f"dcp1_{recipe}_{weights}"), no_dist=True)
         single_logits[(recipe, weights)] = fsdp_cases.probe_logits(model)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    workers = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "fsdp_cases.py"), str(out)], env=dict(env, RANK=str(rank)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(2)
-    ]
-    outputs = [worker.communicate(timeout=240)[0] for worker in workers]
-    assert all(worker.returncode == 0 for worker in workers), "\n".join(outputs)[-6000:]
+    workers.launch("fsdp_cases.py", out, world=2, timeout=240)
     results = torch.load(out, weights_only=False)
     results["folder"] = out.parent
     results["single_logits"] = single_logits
@@ -195,7 +181,7 @@ def test_the_main_job_under_torchrun_prints_the_single_process_losses_and_the_ga
 
     arguments = ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "4", "--length", "16", "--only", "nvfp4", "mxfp8,"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(workers.free_port()),
                "-m", "qtensor.demo", "--fsdp", "--device", "cpu", *arguments]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -218,7 +204,7 @@ def test_the_readme_fsdp_example_runs_under_torchrun(tmp_path):
     # os._exit (docs/design.md, FSDP2) skips Python's flush: flush what the example printed first.
     script.write_text(block + "\n    dist.destroy_process_group()\n    import sys\n    sys.stdout.flush()\n    os._exit(0)\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(workers.free_port()), str(script)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     # One dict per rank; the two ranks share the pipe, so find them by pattern, not by line.

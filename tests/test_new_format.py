@@ -34,10 +34,10 @@ def define_format():
 
         @classmethod
         def layout(cls, direction, rows, cols):
-            data = Buffer("data", torch.int8, (rows, cols), row_axis=0)
+            data = Buffer("data", torch.int8, (rows, cols), row_axis=0, col_axis=1)
             if direction == "rowwise":
-                return (data, Buffer("scale_inv", torch.float32, (rows,), row_axis=0))
-            return (data, Buffer("scale_inv", torch.float32, (cols,), row_axis=None))
+                return (data, Buffer("scale_inv", torch.float32, (rows,), row_axis=0, col_axis=None))
+            return (data, Buffer("scale_inv", torch.float32, (cols,), row_axis=None, col_axis=0))
 
         def dequantize(self):
             scale = self.scale_inv[:, None] if self.direction == "rowwise" else self.scale_inv[None, :]

@@ -171,10 +171,33 @@ def test_ragged_last_piece_keeps_partial_block():
     assert_same_values(tail.dequantize(torch.float32, "columnwise"), q.dequantize(torch.float32, "columnwise")[64:])
 
 
-def test_split_along_other_dim_falls_back_to_plain(q):
-    pieces = q.split(24, dim=-1)
+# Columns one block spans along a row (docs/numerics.md): MXFP8's 1x32 blocks (a hybrid's rowwise
+# copy), NVFP4's 1x16 (and 16x16 tiles).
+COLUMN_BLOCK = {"float8": 1, "float8_delayed": 1, "mxfp8": 32, "nvfp4": 16, "nvfp4_rht": 16, "nvfp4_2d": 16, "identity": 1, "hybrid": 32}
+
+
+@pytest.mark.parametrize("width", [16, 32])
+def test_split_along_the_last_dim_keeps_the_format_on_block_edges_and_refuses_to_cut_a_block(fmt, q, width):
+    """A row-parallel weight's shard: columns [a, b) of every direction, sharing the stored bytes."""
+    if width % COLUMN_BLOCK[fmt]:
+        with pytest.raises(ValueError, match=f"blocks span {COLUMN_BLOCK[fmt]} columns"):
+            q.split(width, dim=-1)
+        return
+    pieces = q.split(width, dim=-1)
+    assert [p.shape for p in pieces] == [(4, 16, min(width, 48 - start)) for start in range(0, 48, width)]
+    for index, piece in enumerate(pieces):
+        assert type(piece) is type(q)
+        for direction in both_directions(q):
+            expected = q.dequantize(torch.float32, direction)[..., index * width : (index + 1) * width]
+            assert_same_values(piece.dequantize(torch.float32, direction), expected)
+    length = min(width, 48 - width)
+    assert_same_values(q.narrow(-1, width, length).dequantize(), q.dequantize()[..., width : width + length])
+
+
+def test_split_along_a_middle_dim_falls_back_to_plain(q):
+    pieces = q.split(8, dim=1)
     assert all(type(p) is torch.Tensor for p in pieces)
-    assert_same_values(torch.cat(pieces, -1), q.dequantize())
+    assert_same_values(torch.cat(pieces, 1), q.dequantize())
 
 
 def test_copy_from_plain_requantizes_with_own_quantizer_and_usages(fmt):

@@ -64,10 +64,10 @@ class Float8Storage(Storage):
 
     @classmethod
     def layout(cls, direction, rows, cols, fp8_dtype):
-        data = Buffer("data", fp8_dtype, (rows, cols), row_axis=0) if direction == "rowwise" else Buffer(
-            "data", fp8_dtype, (cols, rows), row_axis=1
+        data = Buffer("data", fp8_dtype, (rows, cols), row_axis=0, col_axis=1) if direction == "rowwise" else Buffer(
+            "data", fp8_dtype, (cols, rows), row_axis=1, col_axis=0
         )
-        return (data, Buffer("scale_inv", torch.float32, (), row_axis=None))
+        return (data, Buffer("scale_inv", torch.float32, (), row_axis=None, col_axis=None))
 
     def dequantize(self) -> torch.Tensor:
         kernel = lookup("float8.dequantize", self.data)

@@ -17,7 +17,7 @@ class IdentityStorage(Storage):
 
     @classmethod
     def layout(cls, direction, rows, cols, dtype):
-        return (Buffer("data", dtype, (rows, cols), row_axis=0),)
+        return (Buffer("data", dtype, (rows, cols), row_axis=0, col_axis=1),)
 
     def dequantize(self) -> torch.Tensor:
         return self.data.to(torch.float32, copy=True)  # never an alias of the stored buffer

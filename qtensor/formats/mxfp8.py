@@ -107,11 +107,11 @@ class MXFP8Storage(Storage):
 
     @classmethod
     def layout(cls, direction, rows, cols, fp8_dtype):
-        data = Buffer("data", fp8_dtype, (rows, cols), row_axis=0)
+        data = Buffer("data", fp8_dtype, (rows, cols), row_axis=0, col_axis=1)
         if direction == "rowwise":
-            scales = Buffer("scale_inv", torch.uint8, (rows, ceil_div(cols, BLOCK_SIZE)), row_axis=0)
+            scales = Buffer("scale_inv", torch.uint8, (rows, ceil_div(cols, BLOCK_SIZE)), row_axis=0, col_axis=1, cols_per_entry=BLOCK_SIZE)
         else:
-            scales = Buffer("scale_inv", torch.uint8, (ceil_div(rows, BLOCK_SIZE), cols), row_axis=0, rows_per_entry=BLOCK_SIZE)
+            scales = Buffer("scale_inv", torch.uint8, (ceil_div(rows, BLOCK_SIZE), cols), row_axis=0, rows_per_entry=BLOCK_SIZE, col_axis=1)
         return (data, scales)
 
     def dequantize(self) -> torch.Tensor:

@@ -221,19 +221,19 @@ class NVFP4Storage(Storage):
 
     @classmethod
     def layout(cls, direction, rows, cols, rht):
-        amax = Buffer("global_amax", torch.float32, (), row_axis=None)
+        amax = Buffer("global_amax", torch.float32, (), row_axis=None, col_axis=None)
         if direction == "rowwise":
             return (
-                Buffer("data", torch.uint8, (rows, ceil_div(cols, 2)), row_axis=0),
-                Buffer("scale_inv", torch.float8_e4m3fn, (rows, ceil_div(cols, BLOCK_SIZE)), row_axis=0),
+                Buffer("data", torch.uint8, (rows, ceil_div(cols, 2)), row_axis=0, col_axis=1, cols_per_entry=2),
+                Buffer("scale_inv", torch.float8_e4m3fn, (rows, ceil_div(cols, BLOCK_SIZE)), row_axis=0, col_axis=1, cols_per_entry=BLOCK_SIZE),
                 amax,
             )
         # With the transform, the bytes cover the rows zero-padded to whole runs of 16.
         pad = BLOCK_SIZE if rht else 1
         length = cls.stored_length_for(direction, rows, cols, rht)
         return (
-            Buffer("data", torch.uint8, (cols, ceil_div(length, 2)), row_axis=1, rows_per_entry=2, rows_padded_to=pad),
-            Buffer("scale_inv", torch.float8_e4m3fn, (cols, ceil_div(rows, BLOCK_SIZE)), row_axis=1, rows_per_entry=BLOCK_SIZE),
+            Buffer("data", torch.uint8, (cols, ceil_div(length, 2)), row_axis=1, rows_per_entry=2, rows_padded_to=pad, col_axis=0),
+            Buffer("scale_inv", torch.float8_e4m3fn, (cols, ceil_div(rows, BLOCK_SIZE)), row_axis=1, rows_per_entry=BLOCK_SIZE, col_axis=0),
             amax,
         )
 
@@ -324,6 +324,11 @@ class NVFP4Quantizer(Quantizer):
 
     def casts_reproducibly(self) -> bool:
         return not self.stochastic_rounding
+
+    def shard_block(self) -> tuple[int, int]:
+        rows, cols = super().shard_block()
+        # 16x16 tiles share one amax across 16 rows, which the per-row scales do not show.
+        return (max(rows, BLOCK_SIZE), cols) if self.block_2d else (rows, cols)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         """One seeded generator per device, advancing with each quantization; None: torch's global RNG."""

@@ -1,0 +1,167 @@
+"""Tensor parallelism: a quantized layer under torch's parallel styles runs quantized GEMMs on its shard.
+
+`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` makes a layer's weight a DTensor
+whose local tensor is the layer weight's shard (a `DynamicWeight`, or a quantized weight split along
+its rows or columns). A DTensor computes F.linear by dispatching its pieces (a transpose and an
+addmm) to the local tensors, below autograd, where the backward's GEMMs would never meet the
+quantizers. So for the length of each forward the module's weight attribute is the shard itself
+(`enter`, `leave`), carrying a `TensorParallelShard` that runs the layer's linear on local tensors:
+
+- column-parallel (weight `Shard(0)`): the replicated input times the local rows of the weight; the
+  output is sharded along its last dimension, and the input's gradient is a partial sum;
+- row-parallel (weight `Shard(1)`): the input's local columns times the weight's; the output is a
+  partial sum, reduced by the style's output layout, and the replicated bias is added once;
+- a replicated weight: the local linear, replicated.
+
+A tensor sharded across the group (the weight, the row-parallel input, the column-parallel output
+gradient) is quantized with its tensor-wide amaxes reduced over the group, and with shard edges on
+block boundaries (checked, with an error naming the layer), so each rank holds exactly its slice of
+what one process would quantize. The style's hooks move activations and gradients between layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layer import LinearQuantizers
+from .linear import local_linear
+
+try:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # a torch built without distributed support: no DTensor to meet
+    DTensor = None
+
+
+def is_distributed(weight) -> bool:
+    return DTensor is not None and isinstance(weight, DTensor)
+
+
+class TensorParallelShard:
+    """How a tensor-parallel layer's weight is placed, for the length of one forward: the DTensor
+    parameter (its mesh and placement) and the layer's quantizers."""
+
+    def __init__(self, parameter, linear: LinearQuantizers, owner: str):
+        self.parameter, self.linear_quantizers = parameter, linear
+        self.mesh = parameter.device_mesh
+        if self.mesh.ndim != 1:
+            raise NotImplementedError(
+                f"layer {linear.name or '<root>'!r}: its weight {linear.parameter_name} is a DTensor on a "
+                f"{self.mesh.ndim}-D mesh at forward time; tensor parallelism shards a quantized layer over one "
+                "mesh dimension (FSDP2 gathers the others before the forward)."
+            )
+        (self.placement,) = parameter.placements
+        if linear.running.mesh_group is not None:
+            # FSDP2 gathered this weight over the other mesh dimension: its casts would reduce their
+            # amaxes over that dimension only, and each tensor-parallel shard would take its own scale.
+            raise NotImplementedError(
+                f"layer {linear.name or '<root>'!r}: its weight {linear.parameter_name} is sharded by both FSDP2 "
+                "and tensor parallelism (a 2-D mesh), which qtensor does not support yet for quantized layers. "
+                "Use one of the two, or keep the layer out of quantize_ (filter_fn)."
+            )
+        if linear.transposed or owner == "MultiheadAttention":
+            raise NotImplementedError(
+                f"layer {linear.name or '<root>'!r} ({owner}): tensor parallelism of a quantized layer takes "
+                "nn.Linear layers (torch's ColwiseParallel / RowwiseParallel do too); keep this layer out of "
+                "parallelize_module or out of quantize_ (filter_fn)."
+            )
+        if isinstance(self.placement, Shard):
+            self.kind = {0: "column", 1: "row"}[self.placement.dim % 2]
+        elif isinstance(self.placement, Replicate):
+            self.kind = "replicated"
+        else:
+            raise NotImplementedError(
+                f"layer {linear.name or '<root>'!r}: its weight {linear.parameter_name} is placed {self.placement} "
+                "for tensor parallelism; a quantized layer's weight is Shard(0) (ColwiseParallel), Shard(1) "
+                "(RowwiseParallel) or Replicate()."
+            )
+
+    def linear(self, x, weight: torch.Tensor, bias):
+        """F.linear(x, weight, bias) of this layer: `weight` is the local shard, `x` and `bias` as the
+        style hands them (DTensors)."""
+        self._check_block_edges()
+        with torch._C.DisableTorchFunctionSubclass():
+            return getattr(self, f"_{self.kind}_parallel")(x, weight, bias)
+
+    def _check_block_edges(self) -> None:
+        """Every tensor split across the group must be split on its format's block edges: a shard
+        cast alone then holds exactly its slice of the whole tensor's cast."""
+        linear, size = self.linear_quantizers, self.mesh.size()
+        if self.kind == "replicated" or size == 1:
+            return
+        out_features, in_features = self.parameter.shape
+        quantized_grad = linear.grad_output if linear.backward_override is None else None
+        # (what is split, its role's quantizer, rows or columns of its 2-D view, their count)
+        if self.kind == "column":
+            splits = [(f"its weight {linear.parameter_name}", linear.weight, 0, out_features),
+                      ("its output gradient", quantized_grad, 1, out_features)]
+        else:
+            splits = [(f"its weight {linear.parameter_name}", linear.weight, 1, in_features),
+                      ("its input", linear.input, 1, in_features)]
+        for what, quantizer, axis, length in splits:
+            if quantizer is None:
+                continue
+            block = quantizer.shard_block()[axis]
+            shard = -(-length // size)
+            if shard % block and shard < length:
+                lines = ("rows", "columns")[axis]
+                raise ValueError(
+                    f"layer {linear.name or '<root>'!r}: tensor parallelism over {size} ranks splits the {length} "
+                    f"{lines} of {what} into shards of {shard}, which cuts the {block}-{lines[:-1]} blocks of its "
+                    f"{quantizer.describe()} quantization. Use a size whose shards are multiples of {block}, fewer "
+                    "ranks, or keep this layer out of quantize_ (filter_fn) or of parallelize_module."
+                )
+
+    def _group(self):
+        return self.mesh.get_group()
+
+    def _column_parallel(self, x, weight, bias):
+        x_local = self._input(x, Replicate(), grad=Partial())
+        bias_local = bias.to_local() if is_distributed(bias) else bias
+        y = local_linear(x_local, weight, bias_local, shards={"weight": self._group(), "grad_output": self._group()})
+        return DTensor.from_local(y, self.mesh, (Shard(y.dim() - 1),), run_check=False)
+
+    def _row_parallel(self, x, weight, bias):
+        x_local = self._input(x, Shard(x.dim() - 1))
+        y = local_linear(x_local, weight, None, shards={"input": self._group(), "weight": self._group()})
+        out = DTensor.from_local(y, self.mesh, (Partial(),), run_check=False)
+        return out if bias is None else out + bias
+
+    def _replicated_parallel(self, x, weight, bias):
+        x_local = self._input(x, Replicate())
+        bias_local = bias.to_local() if is_distributed(bias) else bias
+        return DTensor.from_local(local_linear(x_local, weight, bias_local), self.mesh, (Replicate(),), run_check=False)
+
+    def _input(self, x, placement, grad=None):
+        name = self.linear_quantizers.name or "<root>"
+        if not is_distributed(x):
+            raise ValueError(
+                f"layer {name!r}: a tensor-parallel layer takes a DTensor input placed {placement} (its parallel "
+                "style's input hook makes one); got a plain tensor."
+            )
+        if tuple(x.placements) != (placement,):
+            raise ValueError(
+                f"layer {name!r}: its input is placed {tuple(x.placements)}, and its weight "
+                f"({self.placement}) needs ({placement},); set the style's input_layouts."
+            )
+        return x.to_local(grad_placements=(grad,) if grad is not None else None)
+
+
+def enter(module: torch.nn.Module, args) -> None:
+    """Forward pre-hook of every quantized module: a weight that is a DTensor at forward time was
+    placed by tensor parallelism (FSDP2 gathers its own dimension before this hook). For this forward
+    the weight attribute is the local shard, carrying its `TensorParallelShard`; its gradient flows
+    back to the DTensor parameter."""
+    for attribute, (linear, _) in module.__dict__.get("_qtensor_layers", {}).items():
+        parameter = module._parameters.get(attribute)
+        if not is_distributed(parameter):
+            continue
+        placement = TensorParallelShard(parameter, linear, type(module).__name__)
+        local = parameter.to_local()
+        local.tensor_parallel = placement
+        module.__dict__[attribute] = local  # found before the parameter by attribute lookup
+
+
+def leave(module: torch.nn.Module, args, output) -> None:
+    """Forward hook (also when the forward raised): the parameter is the module's weight again."""
+    for attribute in module.__dict__.get("_qtensor_layers", {}):
+        module.__dict__.pop(attribute, None)
