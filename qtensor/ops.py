@@ -361,8 +361,8 @@ def _buffer_by_buffer(func, outputs, inputs, run) -> tuple:
     work = None
     for index in range(len(outs[0])):
         wired = [_wire(buffers[index]) for buffers in outs]
+        # Blocking (async_op=False): the collective has completed on the current stream when it returns.
         _, work = run(wired, [[_wire(buffers[index]) for buffers in group] for group in ins])
-        work.wait()
         for buffers, received in zip(outs, wired):
             if buffers[index].data_ptr() != received.data_ptr():
                 buffers[index].copy_(received.view(buffers[index].dtype))
@@ -375,7 +375,7 @@ def _buffer_by_buffer(func, outputs, inputs, run) -> tuple:
 def _scatter(func, args, kwargs):
     """dist.scatter of quantized tensors: each buffer's bytes scattered from the source rank."""
     a = bind(func, args, kwargs)
-    rest = (a["process_group"], a["root_rank"], a["async_op"], a["timeout"])
+    rest = (a["process_group"], a["root_rank"], False, a["timeout"])
     return _buffer_by_buffer(func, a["output_tensors"], a["input_tensors"], lambda outs, ins: func(outs, ins, *rest))
 
 
@@ -383,5 +383,5 @@ def _scatter(func, args, kwargs):
 def _broadcast(func, args, kwargs):
     """dist.broadcast of quantized tensors: each buffer's bytes from the source rank."""
     a = bind(func, args, kwargs)
-    rest = (a["process_group"], a["root_rank"], a["root_tensor"], a["async_op"], a["timeout"])
+    rest = (a["process_group"], a["root_rank"], a["root_tensor"], False, a["timeout"])
     return _buffer_by_buffer(func, a["tensors"], [], lambda outs, ins: func(outs, *rest))
