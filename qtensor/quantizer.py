@@ -25,6 +25,11 @@ def fold_to_2d(x: torch.Tensor) -> torch.Tensor:
 _SHARD_BLOCKS: dict[tuple, tuple[int, int]] = {}  # Quantizer.shard_block by configuration
 
 
+def _fresh(quantizer: "Quantizer") -> "Quantizer":
+    """A new quantizer of `quantizer`'s configuration (children too), with new running state."""
+    return type(quantizer)(**{k: _fresh(v) if isinstance(v, Quantizer) else v for k, v in quantizer.config().items()})
+
+
 class Quantizer:
     """Turns a high-precision tensor into a QuantizedTensor of one format.
 
@@ -111,8 +116,9 @@ class Quantizer:
         tensor's quantization: the largest block of either direction's stored layout."""
         key = self.config_key()
         if key not in _SHARD_BLOCKS:
-            probe = self.copy().quantize(torch.zeros(1, 1), rowwise=True, columnwise=True)
-            storages = [s for s in (probe.rowwise, probe.columnwise) if s is not None]
+            # A probe cast by a fresh quantizer of this configuration, on the CPU, recording nothing
+            # and drawing no random numbers: this quantizer's state and torch's generators stay put.
+            storages = [s for s in _fresh(self)._quantize_2d(torch.zeros(1, 1), True, True, update_state=False) if s is not None]
             _SHARD_BLOCKS[key] = (max(s.row_block() for s in storages), max(s.col_block() for s in storages))
         return _SHARD_BLOCKS[key]
 

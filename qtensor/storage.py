@@ -181,8 +181,8 @@ class Storage:
 
     def __init__(self, *, direction: str, rows: int, cols: int, row_slice: bool = False, **fields):
         self.direction, self.rows, self.cols = direction, rows, cols
-        # True for a storage made by slicing rows out of a larger one: its tensor-wide buffers cover
-        # rows it does not hold, so nothing may requantize them (ops.copy_ refuses).
+        # True for a storage made by slicing rows (or columns) out of a larger one: its tensor-wide
+        # buffers cover values it does not hold, so nothing may requantize them (ops.copy_ refuses).
         self.row_slice = row_slice
         buffer_names, expected = _fields(type(self), direction, tuple(fields.get(name) for name in self.option_names()))
         if fields.keys() != expected:
@@ -272,12 +272,12 @@ class Storage:
     def device(self) -> torch.device:
         return getattr(self, self._first_buffer).device
 
-    def rebuilt(self, buffers: dict[str, torch.Tensor], *, rows: int | None = None, row_slice: bool = False) -> "Storage":
-        """A storage of this kind, direction and options over other buffers (and row count)."""
+    def rebuilt(self, buffers: dict[str, torch.Tensor], *, rows: int | None = None, cols: int | None = None, row_slice: bool = False) -> "Storage":
+        """A storage of this kind, direction and options over other buffers (and row or column count)."""
         return type(self)(
             direction=self.direction,
             rows=self.rows if rows is None else rows,
-            cols=self.cols,
+            cols=self.cols if cols is None else cols,
             row_slice=row_slice,
             **self.options,
             **buffers,
@@ -360,38 +360,7 @@ class Storage:
                 first, last = ceil_div(start, spec.cols_per_entry), ceil_div(stop, spec.cols_per_entry)
                 pieces[spec.name] = buffer.narrow(spec.col_axis, first, last - first)
         whole = start == 0 and stop == self.cols
-        piece = type(self)(
-            direction=self.direction,
-            rows=self.rows,
-            cols=stop - start,
-            row_slice=self.row_slice or not whole,
-            **self.options,
-            **pieces,
-        )
-        return piece
-
-    @classmethod
-    def cat_cols(cls, pieces: list["Storage"]) -> "Storage":
-        """Column pieces (in order) back into one storage, every piece but the last ending on a
-        block boundary and all sharing the buffers that do not follow the columns."""
-        first = pieces[0]
-        block = first.col_block()
-        for index, piece in enumerate(pieces):
-            if type(piece) is not type(first) or (piece.direction, piece.rows, piece.options) != (first.direction, first.rows, first.options):
-                raise ValueError(f"cat_cols: piece {index} ({piece!r}) is not the same kind of storage as piece 0 ({first!r}).")
-            if index < len(pieces) - 1 and piece.cols % block:
-                raise ValueError(f"cat_cols: piece {index} has {piece.cols} columns; every piece but the last must hold a multiple of {block}.")
-        joined = {}
-        for spec in first.buffer_specs():
-            buffers = [getattr(piece, spec.name) for piece in pieces]
-            if spec.follows_columns:
-                joined[spec.name] = torch.cat(buffers, dim=spec.col_axis)
-            elif any(b is not buffers[0] and not torch.equal(b, buffers[0]) for b in buffers):
-                raise ValueError(f"cat_cols: the pieces hold different {spec.name} values, which every column shares.")
-            else:
-                joined[spec.name] = buffers[0]
-        cols = sum(piece.cols for piece in pieces)
-        return type(first)(direction=first.direction, rows=first.rows, cols=cols, **first.options, **joined)
+        return self.rebuilt(pieces, cols=stop - start, row_slice=self.row_slice or not whole)
 
     def rest_is_zero(self) -> bool:
         """For a row slice: every row of what it was cut from, outside it, holds zero (so a new

@@ -84,3 +84,21 @@ def test_fsdp2_over_a_tensor_parallel_quantized_layer_is_refused_naming_it(distr
 
 def test_a_broadcast_quantized_tensor_holds_the_source_ranks_bytes_on_every_rank(distributed):
     assert distributed["broadcast"] == 2.0  # both ranks
+
+
+def test_shard_blocks_follow_the_formats_blocks_and_leave_state_and_random_draws_alone():
+    """docs/numerics.md: MXFP8 1x32 blocks in both directions, NVFP4 1x16 blocks (16x16 tiles), Float8 none."""
+    role = qtensor.Role("linear", "grad_output", "layer")
+    delayed = qtensor.Float8Quantizer(scaling="delayed")
+    cases = [
+        (qtensor.Float8Quantizer(), (1, 1)), (delayed, (1, 1)), (qtensor.MXFP8Quantizer(), (32, 32)),
+        (qtensor.NVFP4Quantizer(block_2d=True), (16, 16)), (qtensor.recipes.nvfp4()(role), (16, 16)),
+        (qtensor.recipes.mxfp8_fwd_nvfp4_bwd()(qtensor.Role("linear", "input", "layer")), (16, 32)),
+    ]
+    torch.manual_seed(0)
+    expected_draw = torch.rand(4)
+    torch.manual_seed(0)
+    for quantizer, block in cases:
+        assert quantizer.shard_block() == block, quantizer.describe()
+    assert torch.equal(torch.rand(4), expected_draw)  # the stochastic-rounding quantizer drew nothing
+    assert (delayed.amax_history == -1).all()  # nothing recorded
