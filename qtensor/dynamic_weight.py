@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from . import fsdp, layer_state, running_state
 from .kernels import is_fake
 from .layer import LinearQuantizers
-from .numerics import ceil_div, pre_reduced_amaxes, reduce_amax_over
+from .numerics import all_reduce_max, ceil_div, pre_reduced_amaxes, reduce_amax_over
 from .quantizer import fold_to_2d
 from .tensor import QuantizedTensor
 from .weight import GatheredCast, LayerWeight, quantized_weight
@@ -158,7 +158,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
 
     # ---- FSDP2: quantize the local shard, gather its low-precision bytes (fsdp.py) -------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        self._note_fsdp(mesh)
+        groups = self._note_fsdp(mesh, module)
         linear = self.linear_quantizers
         values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
         # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along
@@ -169,7 +169,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
             padded[: values.shape[0]].copy_(values)
             fsdp.count_gather((padded,), mesh, outer_size)
             return (padded,), (None, outer_size, None)
-        quantized = self._quantized_shard(values, mesh, module)
+        quantized = self._quantized_shard(values, groups, module)
         needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))
         inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, quantized)
@@ -180,6 +180,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
             (gathered,) = all_gather_outputs
             values = gathered[: outer_size[0]].reshape(outer_size).to(param_dtype)
             if out is not None:
+                out = getattr(out, "_local_tensor", out)  # a DTensor over tensor parallelism
                 with torch.autograd._unsafe_preserve_version_counter(out._data):  # as fsdp._write_into
                     out._data.copy_(values)
                 return None
@@ -188,15 +189,16 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         result = fsdp.post_all_gather(quantized, all_gather_outputs, plan, outer_size, param_dtype, out=out)
         # The gathered weight carries its shard's cast notes: the first training step that uses
         # this version of the values records its amax (linear.py), an evaluation forward does not.
-        target = out if out is not None else result[0]
+        target = getattr(out, "_local_tensor", out) if out is not None else result[0]
         cast = target.__dict__.setdefault("gathered_cast", GatheredCast())
         cast.notes, cast.version = quantized.shard_notes
         return result
 
-    def _quantized_shard(self, values: torch.Tensor, mesh, module) -> QuantizedTensor:
+    def _quantized_shard(self, values: torch.Tensor, groups: tuple, module) -> QuantizedTensor:
         """The local shard quantized in both directions, once per version of the weight and of its
         quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
-        process quantizes once), with tensor-wide amaxes reduced over the mesh so that every shard
+        process quantizes once), with tensor-wide amaxes reduced over `groups` (every group the
+        parameter's pieces are spread over, `fsdp.groups_of_shard`) so that every shard
         shares one scale: reduced before, for every stale dynamic weight of the model in one
         collective (`_batched_amaxes`), or by the cast itself. Its amax notes travel with it, not
         written here."""
@@ -205,10 +207,9 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         cached = self.__dict__.get("_shard_cache")
         if cached is not None and cached[0] == key:
             return cached[1]
-        group = mesh.get_group()
-        amaxes = _batched_amaxes(self, values, key, group, module)
+        amaxes = _batched_amaxes(self, values, key, groups, module)
         if amaxes is None:
-            reduction = reduce_amax_over(group)
+            reduction = reduce_amax_over(groups)
         else:
             reduction = pre_reduced_amaxes(amaxes, self.linear_quantizers.parameter_name)
         with running_state.noting() as notes, reduction, torch.autocast(values.device.type, enabled=False):
@@ -249,13 +250,13 @@ class DynamicWeight(LayerWeight, torch.Tensor):
 
 
 # ---- FSDP2: the tensor-wide amaxes of every stale shard of a model, reduced in one collective -----
-def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, group, module) -> list[torch.Tensor] | None:
+def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, groups: tuple, module) -> list[torch.Tensor] | None:
     """The tensor-wide amaxes of the cast of `weight`'s shard (`values`, `key`), already reduced over
-    `group`, or None: the cast reduces its own.
+    `groups`, or None: the cast reduces its own.
 
     The first stale shard the hooks cast (values written since their last cast, by the optimizer
-    step or a load) reduces, in one all-reduce over `group`, its own local amaxes and those of every
-    other stale dynamic weight shard of its model gathered over that group, and keeps each shard's
+    step or a load) reduces, in one all-reduce over each of `groups`, its own local amaxes and those of every
+    other stale dynamic weight shard of its model spread over the same groups, and keeps each shard's
     reduced amaxes for that shard's cast later in the same forward. FSDP2 calls the hooks in the
     same order on every rank and which shards are stale is the same on every rank, so every rank
     issues this collective at the same point. A shard whose values change again before its cast,
@@ -263,7 +264,7 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, gro
     offloading), one whose quantizer does not declare its amaxes, and traced casts (torch.compile)
     reduce their own amaxes as before."""
     stored = weight.__dict__.pop("_batched_amaxes", None)
-    if stored is not None and stored[0] == key and stored[1] is group:
+    if stored is not None and stored[0] == key and stored[1] == groups:
         return stored[2]
     if torch.compiler.is_compiling() or is_fake(weight._data) or weight._data.is_meta:
         return None
@@ -281,11 +282,11 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, gro
         shard = parameter.local
         if shard is weight or not isinstance(shard, DynamicWeight) or not shard._casts_shard() or shard._data.is_meta:
             continue
-        if parameter.mesh.get_group() is not group:
+        if parameter.groups != groups:
             continue
         shard_values = shard._data if parameter.param_dtype is None else shard._data.to(parameter.param_dtype)
         shard_key = shard._shard_key(shard_values.dtype)
-        if not _stale(shard, shard_key, group):
+        if not _stale(shard, shard_key, groups):
             continue
         with torch.autocast(shard_values.device.type, enabled=False):
             shard_amaxes = shard.linear_quantizers.weight.tensor_amaxes(fold_to_2d(shard_values), True, True)
@@ -293,21 +294,19 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, gro
             batch.append((shard, shard_key, shard_amaxes))
     flat = [amax.reshape(1).float() for _, _, shard_amaxes in batch for amax in shard_amaxes]
     if flat:
-        import torch.distributed as dist
-
         reduced = torch.cat(flat)
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_max(reduced, groups)
         reduced = iter(reduced.unbind())
     taken = [[next(reduced).clone() for _ in shard_amaxes] for _, _, shard_amaxes in batch]
     for (shard, shard_key, _), reduced_amaxes in zip(batch[1:], taken[1:]):
-        shard._batched_amaxes = (shard_key, group, reduced_amaxes)
+        shard._batched_amaxes = (shard_key, groups, reduced_amaxes)
     return taken[0]
 
 
-def _stale(shard: DynamicWeight, key: tuple, group) -> bool:
+def _stale(shard: DynamicWeight, key: tuple, groups: tuple) -> bool:
     """Whether the shard's next cast needs amaxes it neither holds cast nor has reduced already."""
     cached, stored = shard.__dict__.get("_shard_cache"), shard.__dict__.get("_batched_amaxes")
-    return not (cached is not None and cached[0] == key) and not (stored is not None and stored[0] == key and stored[1] is group)
+    return not (cached is not None and cached[0] == key) and not (stored is not None and stored[0] == key and stored[1] == groups)
 
 
 def _write_back(target: DynamicWeight, source: DynamicWeight) -> DynamicWeight:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .numerics import ceil_div, reduce_amax_over
+from .numerics import all_reduce_max, ceil_div, reduce_amax_over
 from .ops import mark_scales, scales_agreed
 from .storage import DIRECTIONS, Storage
 from .tensor import QuantizedTensor, rows_per_index
@@ -109,12 +109,40 @@ def _param_group_of(module, root):
 
 @dataclass(frozen=True)
 class ShardedParameter:
-    """One parameter FSDP2 shards, as its hooks see it: the local shard they are called on, the mesh
-    and the dtype its values are gathered in (None: its own)."""
+    """One parameter FSDP2 shards, as its hooks see it: the local shard they are called on, the
+    process groups its pieces are spread over (`shard_groups`) and the dtype its values are gathered
+    in (None: its own)."""
 
     local: torch.Tensor
-    mesh: object
+    groups: tuple
     param_dtype: torch.dtype | None
+
+
+def shard_groups(fsdp_param) -> tuple:
+    """The process groups over whose ranks one FSDP2 parameter's pieces are spread: FSDP2's own, then
+    each mesh dimension along which its DTensor was sharded before `fully_shard` (tensor parallelism
+    on a 2-D mesh). A tensor-wide amax max-ed over all of them is the whole parameter's."""
+    groups = (fsdp_param.shard_mesh_from_root.get_group(),)
+    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    return groups + (placement_groups(spec.mesh, spec.placements) if spec is not None else ())
+
+
+def placement_groups(mesh, placements) -> tuple:
+    """The process groups of the mesh dimensions along which a DTensor with `placements` is split
+    (`Shard`, and the `_StridedShard` FSDP2 places over a tensor-parallel shard of the same dim)."""
+    return tuple(mesh.get_group(dim) for dim, p in enumerate(placements) if not (p.is_replicate() or p.is_partial()))
+
+
+def groups_of_shard(local: torch.Tensor, mesh, running, module) -> tuple:
+    """`shard_groups` of the parameter whose FSDP2 shard is `local` (the tensor FSDP2's hooks are
+    called on), kept in `running.shard_groups`; FSDP2's mesh alone where its state cannot be read
+    (a tensor-parallel layer then refuses to run, tensor_parallel.py)."""
+    group = mesh.get_group()
+    if running.shard_groups is None or running.shard_groups[0] is not group:
+        found = layer_param_group(running, module)
+        params = [p for p in (found.fsdp_params if found is not None else ()) if p._sharded_local_tensor is local]
+        running.shard_groups = shard_groups(params[0]) if params else (group,)
+    return running.shard_groups
 
 
 def sharded_parameters(groups) -> list[ShardedParameter]:
@@ -125,7 +153,7 @@ def sharded_parameters(groups) -> list[ShardedParameter]:
         try:
             for param in group.fsdp_params:
                 if not param.offload_to_cpu:
-                    found.append(ShardedParameter(param._sharded_local_tensor, param.shard_mesh_from_root, param.mp_policy.param_dtype))
+                    found.append(ShardedParameter(param._sharded_local_tensor, shard_groups(param), param.mp_policy.param_dtype))
         except AttributeError:
             continue
     return found
@@ -177,10 +205,10 @@ def check_block_boundaries(tensor: QuantizedTensor, directions, shard_rows: int,
             )
 
 
-def agree_on_scales(tensor: QuantizedTensor, group) -> None:
+def agree_on_scales(tensor: QuantizedTensor, groups) -> None:
     """Make every rank's shard use one tensor-wide scale. A shard written without the mesh's amax
     (initialised after `to_empty`, loaded from plain values) may hold its own; then every rank
-    requantizes its shard from its exact values with the amax reduced over the mesh."""
+    requantizes its shard from its exact values with the amax reduced over `groups` (`shard_groups`)."""
     if scales_agreed(tensor):
         return
     import torch.distributed as dist
@@ -195,10 +223,10 @@ def agree_on_scales(tensor: QuantizedTensor, group) -> None:
     if values:
         high = torch.cat(values)
         low = -high
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_max(high, groups)
+        all_reduce_max(low, groups)
         if not torch.equal(high, -low):  # the same answer on every rank: all requantize or none
-            with reduce_amax_over(group), torch.no_grad():
+            with reduce_amax_over(groups), torch.no_grad():
                 tensor.copy_(tensor.dequantize())
     mark_scales(tensor, True)
 
@@ -272,7 +300,8 @@ def post_all_gather(
         shared = local.columnwise is local.rowwise
         gathered[direction] = gathered["rowwise"] if shared else gathered["rowwise"].to_direction(direction)
     if out is not None:
-        _write_into(out, gathered)
+        # Over a tensor-parallel DTensor, FSDP2's unsharded parameter is a DTensor of the gathered tensor.
+        _write_into(getattr(out, "_local_tensor", out), gathered)
         return None
     # The unsharded tensor owns all its buffers: FSDP2 frees them between uses, and the tensor-wide
     # ones must not be the local shard's (one copy, shared by both directions as in the shard).
@@ -307,7 +336,7 @@ def full_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
     from torch.distributed.tensor import Shard
 
     if tuple(value.placements) != (Shard(0),):
-        raise ValueError(f"{name}: gathering a quantized tensor sharded as {value.placements} is not supported; FSDP2 shards on dim 0.")
+        return _assembled(value, local, name)
     mesh, outer_size = value.device_mesh, value.shape
     directions = tuple(d for d in DIRECTIONS if getattr(local, d) is not None)
     (payload,), plan = pre_all_gather(local, mesh, outer_size, (directions, (directions,)), name)
@@ -316,6 +345,41 @@ def full_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
     dist.all_gather_into_tensor(output, payload, group=mesh.get_group())
     whole, _ = post_all_gather(local, (output,), plan, outer_size, local.dtype)
     return whole
+
+
+def _assembled(value, local: QuantizedTensor, name: str) -> QuantizedTensor:
+    """A quantized DTensor split along rows and/or columns (tensor parallelism, FSDP2 over it): every
+    rank's piece, with its offset in the whole tensor, gathered over each mesh dimension that splits
+    it, then joined along columns within each band of rows and the bands along rows."""
+    import torch.distributed as dist
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if value.dim() != 2 or any(p.is_partial() for p in value.placements):
+        raise ValueError(
+            f"{name}: gathering a quantized tensor placed {value.placements} is supported for 2-D tensors split "
+            "along rows or columns (FSDP2, tensor parallelism), not for this placement."
+        )
+    mesh = value.device_mesh
+    _, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    pieces = [(tuple(offset), local)]
+    for group in placement_groups(mesh, value.placements):
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, pieces, group=group)
+        pieces = [piece for part in gathered for piece in part]
+    # Unpickled where the sender held them (another GPU under NCCL): each brought to this rank's device.
+    pieces = sorted(((where, piece.to(local.device)) for where, piece in pieces), key=lambda item: item[0])
+    storages = {}
+    for direction in DIRECTIONS:
+        if getattr(local, direction) is None or (direction == "columnwise" and local.columnwise is local.rowwise):
+            continue
+        bands = {}
+        for (row, _), piece in pieces:
+            bands.setdefault(row, []).append(getattr(piece, direction))
+        kind = type(getattr(local, direction))
+        storages[direction] = kind.cat_rows([kind.cat_cols(band) for band in bands.values()])
+    rowwise = storages.get("rowwise")
+    columnwise = rowwise if local.columnwise is not None and local.columnwise is local.rowwise else storages.get("columnwise")
+    return local.with_storages(rowwise, columnwise, shape=value.shape, dtype=local.dtype)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

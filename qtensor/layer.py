@@ -21,17 +21,19 @@ class LayerRunning:
     - `amax_group`: the process group whose ranks reduce this layer's delayed-scaling amaxes before
       they are recorded (`quantize_(..., amax_reduction_group=)`); None: the FSDP2 mesh's group,
       which the weight's FSDP2 hook notes in `mesh_group`, or no reduction in one process.
+    - `shard_groups`: every group the weight's FSDP2 shard is spread over (FSDP2's mesh, and the
+      tensor-parallel one on a 2-D mesh), over which its casts reduce their tensor-wide amaxes.
     - `recorded_weight`: the version of the weight's values whose amax was last recorded, so a
       weight's amax is recorded once per version of its values (docs/running-state.md).
     - `root`: a weak reference to the model `quantize_` was given, and `fsdp_group` the FSDP2
       parameter group found under it that holds this layer (fsdp.py, regathers_before_backward).
     """
 
-    __slots__ = ("amax_group", "mesh_group", "recorded_weight", "root", "fsdp_group")
+    __slots__ = ("amax_group", "mesh_group", "shard_groups", "recorded_weight", "root", "fsdp_group")
 
     def __init__(self, amax_group=None, root=None):
         self.amax_group = amax_group
-        self.mesh_group = None
+        self.mesh_group = self.shard_groups = None
         self.recorded_weight = None
         self.root = root
         self.fsdp_group = None

@@ -73,7 +73,9 @@ _amax_group: contextvars.ContextVar = contextvars.ContextVar("qtensor_amax_group
 @contextlib.contextmanager
 def reduce_amax_over(group):
     """Inside, every tensor-wide amax (`tensor_amax`) is the MAX over `group`'s ranks: the shards of
-    one sharded tensor get one scale, so a sharded run equals a single-process one (docs/design.md, FSDP2)."""
+    one sharded tensor get one scale, so a sharded run equals a single-process one (docs/design.md, FSDP2).
+    `group` may be a tuple of groups (a tensor sharded over several mesh dimensions, FSDP2 over one
+    and tensor parallelism over another): the MAX over each in turn is the MAX over all of them."""
     token = _amax_group.set(group)
     try:
         yield
@@ -141,10 +143,16 @@ def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
     if isinstance(source, PreReducedAmaxes):
         return source.take()
     if source is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=source)
+        all_reduce_max(amax, source)
     return amax
+
+
+def all_reduce_max(tensor: torch.Tensor, groups) -> None:
+    """`tensor` max-ed in place over the ranks of `groups`: one process group or a tuple of them."""
+    import torch.distributed as dist
+
+    for group in groups if isinstance(groups, tuple) else (groups,):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
 def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:

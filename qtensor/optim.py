@@ -9,6 +9,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .fsdp import placement_groups
 from .numerics import reduce_amax_over
 from .tensor import QuantizedTensor
 
@@ -170,10 +171,12 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def write_back(self) -> None:
         """Requantize every master into its quantized parameter. A sharded parameter's shards are
-        quantized with one tensor-wide scale: the amax is reduced over its mesh (docs/design.md, FSDP2)."""
+        quantized with one tensor-wide scale: the amax is reduced over every mesh dimension that
+        splits it (docs/design.md, FSDP2)."""
         for param, master in self.pairs:
             mesh = getattr(param, "device_mesh", None)
-            with reduce_amax_over(mesh.get_group()) if mesh is not None else contextlib.nullcontext():
+            groups = placement_groups(mesh, param.placements) if mesh is not None else ()
+            with reduce_amax_over(groups) if groups else contextlib.nullcontext():
                 param.copy_(master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -395,32 +395,47 @@ class Storage:
         Every piece but the last must end on a block boundary, and all must hold the same
         tensor-wide buffers (one scale for the whole tensor).
         """
+        return cls._joined(pieces, "rows")
+
+    @classmethod
+    def cat_cols(cls, pieces: list["Storage"]) -> "Storage":
+        """Column pieces (in order) back into one storage: what gathering a row-parallel weight's
+        shards produces. Every piece but the last must end on a block boundary, and all must hold
+        the same buffers that every column shares."""
+        return cls._joined(pieces, "cols")
+
+    @classmethod
+    def _joined(cls, pieces: list["Storage"], along: str) -> "Storage":
         first = pieces[0]
+        across = "cols" if along == "rows" else "rows"
+        block = first.row_block() if along == "rows" else first.col_block()
         for index, piece in enumerate(pieces):
-            if type(piece) is not type(first) or (piece.direction, piece.cols, piece.options) != (
+            if type(piece) is not type(first) or (piece.direction, getattr(piece, across), piece.options) != (
                 first.direction,
-                first.cols,
+                getattr(first, across),
                 first.options,
             ):
-                raise ValueError(f"cat_rows: piece {index} ({piece!r}) is not the same kind of storage as piece 0 ({first!r}).")
-            if index < len(pieces) - 1 and piece.rows % first.row_block():
+                raise ValueError(f"cat_{along}: piece {index} ({piece!r}) is not the same kind of storage as piece 0 ({first!r}).")
+            if index < len(pieces) - 1 and getattr(piece, along) % block:
                 raise ValueError(
-                    f"cat_rows: piece {index} has {piece.rows} rows; every piece but the last must hold a "
-                    f"multiple of {first.row_block()} rows ({first.format_name} {first.direction} blocks)."
+                    f"cat_{along}: piece {index} has {getattr(piece, along)} {along}; every piece but the last must "
+                    f"hold a multiple of {block} {along} ({first.format_name} {first.direction} blocks)."
                 )
         joined = {}
         for spec in first.buffer_specs():
             buffers = [getattr(piece, spec.name) for piece in pieces]
-            if spec.tensor_wide:
+            axis = spec.row_axis if along == "rows" else (spec.col_axis if spec.follows_columns else None)
+            if axis is None:  # one buffer for all the pieces
                 if any(b is not buffers[0] and not torch.equal(b, buffers[0]) for b in buffers):
                     raise ValueError(
-                        f"cat_rows: the pieces hold different {spec.name} values; rows quantized with "
+                        f"cat_{along}: the pieces hold different {spec.name} values; pieces quantized with "
                         "different tensor-wide scales cannot form one tensor. Quantize them with one scale."
                     )
                 joined[spec.name] = buffers[0]
             else:
-                joined[spec.name] = torch.cat(buffers, dim=spec.row_axis)
-        return first.rebuilt(joined, rows=sum(piece.rows for piece in pieces))
+                joined[spec.name] = torch.cat(buffers, dim=axis)
+        total = sum(getattr(piece, along) for piece in pieces)
+        return first.rebuilt(joined, **{along: total})
 
     @classmethod
     def check_buffers(cls, buffers: dict[str, torch.Tensor], direction: str, rows: int, cols: int, options: dict, where: str = "") -> None:

@@ -50,13 +50,15 @@ class TensorParallelShard:
                 "mesh dimension (FSDP2 gathers the others before the forward)."
             )
         (self.placement,) = parameter.placements
-        if linear.running.mesh_group is not None:
-            # FSDP2 gathered this weight over the other mesh dimension: its casts would reduce their
-            # amaxes over that dimension only, and each tensor-parallel shard would take its own scale.
+        running = linear.running
+        if running.mesh_group is not None and not any(g == self.mesh.get_group() for g in running.shard_groups or ()):
+            # FSDP2 gathered this weight over another mesh dimension, and its hooks could not tell that
+            # tensor parallelism splits it too: its casts would take the amaxes of this rank's piece only.
             raise NotImplementedError(
                 f"layer {linear.name or '<root>'!r}: its weight {linear.parameter_name} is sharded by both FSDP2 "
-                "and tensor parallelism (a 2-D mesh), which qtensor does not support yet for quantized layers. "
-                "Use one of the two, or keep the layer out of quantize_ (filter_fn)."
+                "and tensor parallelism, and FSDP2's state (which tells qtensor the tensor-parallel mesh its "
+                "shard's scale must be reduced over) could not be read. Apply fully_shard to the modules "
+                "quantize_ was given or to modules below them, or keep the layer out of quantize_ (filter_fn)."
             )
         if linear.transposed or owner == "MultiheadAttention":
             raise NotImplementedError(

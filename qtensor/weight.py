@@ -57,10 +57,12 @@ class LayerWeight:
     def _data_attribute(self, name):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    def _note_fsdp(self, mesh) -> None:
+    def _note_fsdp(self, mesh, module) -> tuple:
         """What FSDP2's mesh tells the layer: its group reduces the layer's amaxes (unless the user
-        chose a group)."""
-        self.linear_quantizers.running.mesh_group = mesh.get_group()
+        chose a group). Returns the groups this shard is spread over (`fsdp.groups_of_shard`)."""
+        running = self.linear_quantizers.running
+        running.mesh_group = mesh.get_group()
+        return fsdp.groups_of_shard(self, mesh, running, module)
 
 
 # ---- quantized weights: a format's tensor class with the layer weight's behaviour -------------------
@@ -147,8 +149,7 @@ class QuantizedWeight(LayerWeight):
 
     # ---- FSDP2: gather the direction each GEMM reads, as low-precision bytes (fsdp.py) ------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        self._note_fsdp(mesh)
-        fsdp.agree_on_scales(self, mesh.get_group())
+        fsdp.agree_on_scales(self, self._note_fsdp(mesh, module))
         linear = self.linear_quantizers
         needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))
         inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, linear.parameter_name)

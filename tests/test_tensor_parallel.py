@@ -24,6 +24,14 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
+def two_d(tmp_path_factory):
+    """4 ranks on a 2 x 2 ("dp", "tp") mesh (tp_cases.run_two_d), and where they saved checkpoints."""
+    out = tmp_path_factory.mktemp("tp2d") / "results.pt"
+    workers.launch("tp_cases.py", out, world=4, timeout=600)
+    return torch.load(out, weights_only=False), out.parent
+
+
+@pytest.fixture(scope="module")
 def distributed(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "results.pt"
     workers.launch("tp_cases.py", out, world=2, timeout=400)
@@ -37,7 +45,7 @@ def test_tensor_parallel_training_equals_one_process(distributed, recipe, weight
         single = tp_cases.train(tp_cases.build(recipe, weights), weights)
     # Every linear ran quantized on its shard: 14 layers, each forward of the steps and the last one.
     assert parallel["quantized_linears"] == count[0] == 14 * (tp_cases.STEPS + 1)
-    linears = {name for name in single["weights"] if not name.endswith(("norm.weight", "bias"))}
+    linears = {name for name in single["weights"] if not name.endswith(("norm.weight", "bias")) and ":" not in name}
     assert linears <= parallel["shards"].keys()
     for name, (kind, local, shape) in parallel["shards"].items():
         if name.endswith(("q.weight", "k.weight", "v.weight", "gate.weight", "up.weight")):
@@ -76,12 +84,6 @@ def test_a_quantized_weight_splits_along_its_columns_into_the_same_bytes():
             assert torch.equal(piece.dequantize(torch.float32, direction), expected)
 
 
-def test_fsdp2_over_a_tensor_parallel_quantized_layer_is_refused_naming_it(distributed):
-    """A 2-D mesh is not supported yet: each tensor-parallel shard would take its own scale."""
-    message = distributed["two_d"]
-    assert "layers.0.attention.q" in message and "FSDP2 and tensor parallelism" in message, message
-
-
 def test_a_broadcast_quantized_tensor_holds_the_source_ranks_bytes_on_every_rank(distributed):
     assert distributed["broadcast"] == 2.0  # both ranks
 
@@ -102,3 +104,52 @@ def test_shard_blocks_follow_the_formats_blocks_and_leave_state_and_random_draws
         assert quantizer.shard_block() == block, quantizer.describe()
     assert torch.equal(torch.rand(4), expected_draw)  # the stochastic-rounding quantizer drew nothing
     assert (delayed.amax_history == -1).all()  # nothing recorded
+
+
+# ---- 2-D: FSDP2 over "dp" x tensor parallelism over "tp" -------------------------------------------
+# Float8's tensor-wide scales are not powers of two and its gradients are E5M2 (2 mantissa bits): a
+# float32 rounding difference (a row-parallel partial sum, a norm computed by DTensor's ops) moves the
+# odd element across a rounding boundary, and the run then drifts by that element's step. Those
+# recipes are held to the loss within 1e-4 and the weights within 1e-3; the block formats, whose
+# runs stay within float32 rounding here, to TOLERANCE. What 2-D sharding can get wrong (a shard cast
+# with the amax of its piece) shows bit for bit in the scale check, for every recipe.
+TOLERANCE_2D = {"float8_current": dict(rtol=1e-4, atol=1e-3), "float8_delayed": dict(rtol=1e-4, atol=1e-3)}
+
+
+@pytest.mark.parametrize("recipe", tp_cases.RECIPES)
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_fsdp2_over_tensor_parallelism_trains_like_one_process(two_d, recipe, weights):
+    results, _ = two_d
+    parallel = results[(recipe, weights)]
+    single = tp_cases.train(tp_cases.build(recipe, weights, width=tp_cases.WIDTH_2D), weights)
+    assert parallel["quantized_linears"] == 14 * (tp_cases.STEPS + 1)
+    checked, disagreeing = parallel["scales"]
+    assert disagreeing == 0, f"{disagreeing} of {checked} weight casts held another scale on some rank"
+    if recipe != "mxfp8":  # MXFP8 has no tensor-wide scale; every other recipe's weights were checked
+        assert checked >= 14 * tp_cases.STEPS
+    tolerance = TOLERANCE_2D.get(recipe, TOLERANCE)
+    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), **tolerance)
+    assert parallel["weights"].keys() == single["weights"].keys()
+    for name, weight in single["weights"].items():
+        torch.testing.assert_close(parallel["weights"][name], weight, **tolerance, msg=name)
+    if recipe not in TOLERANCE_2D:
+        torch.testing.assert_close(parallel["output"], single["output"], **TOLERANCE)
+
+
+@pytest.mark.parametrize("recipe", tp_cases.RECIPES)
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_2x2_distributed_checkpoint_loads_into_4x1_and_into_one_process_bit_for_bit(two_d, recipe, weights):
+    import torch.distributed.checkpoint as dcp
+
+    results, folder = two_d
+    saved = results[(recipe, weights)]["weights"]  # every copy's exact values, gathered from the 2 x 2 run
+    four_by_one = results[(recipe, weights)]["four_by_one"]
+    model = tp_cases.build(recipe, weights, seed=11, width=tp_cases.WIDTH_2D)
+    dcp.load(model.state_dict(), checkpoint_id=str(folder / f"dcp_{recipe}_{weights}"), no_dist=True)
+    one = tp_cases.plain_weights(model)
+    assert saved.keys() == four_by_one.keys() == one.keys()
+    for name, value in saved.items():
+        assert torch.equal(four_by_one[name], value), name
+        assert torch.equal(one[name], value), name
+    if weights == "quantized":
+        assert any(name.endswith(":columnwise") for name in saved)

@@ -19,7 +19,10 @@ from torch import nn
 
 import qtensor
 
-WIDTH, HEADS, HIDDEN, TOKENS, BATCH = 64, 4, 128, 32, 2
+WIDTH, HEADS, TOKENS, BATCH = 64, 4, 32, 2
+# On a 2 x 2 mesh FSDP2 splits each tensor-parallel shard again: 128 wide keeps every shard edge on
+# MXFP8's 32-row blocks (a q shard of 64 rows, 32 per FSDP2 rank).
+WIDTH_2D = 128
 STEPS = 3
 
 
@@ -47,34 +50,35 @@ SCENARIOS = [(recipe, weights, True) for recipe in RECIPES for weights in ("dyna
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
-        self.q, self.k, self.v = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
-        self.o = nn.Linear(WIDTH, WIDTH)
+        self.q, self.k, self.v = (nn.Linear(width, width, bias=False) for _ in range(3))
+        self.o = nn.Linear(width, width)
+        self.head_dim = width // HEADS
 
     def forward(self, x):
         batch, tokens, _ = x.shape
         # -1 heads: a column-parallel projection holds this rank's heads only.
-        q, k, v = (proj(x).view(batch, tokens, -1, WIDTH // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q, k, v = (proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(attended.transpose(1, 2).reshape(batch, tokens, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
-        self.gate, self.up = nn.Linear(WIDTH, HIDDEN, bias=False), nn.Linear(WIDTH, HIDDEN)
-        self.down = nn.Linear(HIDDEN, WIDTH)
+        self.gate, self.up = nn.Linear(width, 2 * width, bias=False), nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
-        self.attention_norm, self.attention = nn.RMSNorm(WIDTH), Attention()
-        self.mlp_norm, self.mlp = nn.RMSNorm(WIDTH), MLP()
+        self.attention_norm, self.attention = nn.RMSNorm(width), Attention(width)
+        self.mlp_norm, self.mlp = nn.RMSNorm(width), MLP(width)
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -82,9 +86,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = WIDTH):
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = nn.ModuleList([Block(width), Block(width)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -92,9 +96,9 @@ class Net(nn.Module):
         return x
 
 
-def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
+def build(recipe: str, weights: str, seed: int = 0, width: int = WIDTH) -> nn.Module:
     torch.manual_seed(seed)
-    model = Net()
+    model = Net(width)
     qtensor.quantize_(model, RECIPES[recipe](), weights=weights, strict=True)
     return model
 
@@ -128,33 +132,33 @@ def parallelize(model: nn.Module, mesh, sequence_parallel: bool) -> nn.Module:
     return model
 
 
-def batches(seed: int = 1):
+def batches(seed: int = 1, width: int = WIDTH):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
-        yield torch.randn(BATCH, TOKENS, WIDTH, generator=generator), torch.randn(BATCH, TOKENS, WIDTH, generator=generator)
+        yield torch.randn(BATCH, TOKENS, width, generator=generator), torch.randn(BATCH, TOKENS, width, generator=generator)
 
 
-def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequence_parallel: bool = False) -> dict:
+def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequence_parallel: bool = False, group=None) -> dict:
     """SGD steps on `batches()`: the losses, the output of a last forward, the weights after training.
-    With sequence parallelism each rank feeds and scores its own slice of the tokens, and its loss
-    is its slice's share of the whole batch's."""
+    With sequence parallelism each rank (`rank` of `world` in the tensor-parallel `group`) feeds and
+    scores its own slice of the tokens, and its loss is its slice's share of the whole batch's."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     if weights == "quantized":
         optimizer = qtensor.optim.MasterWeights(optimizer)
-    losses = []
-    for x, target in batches():
+    losses, width = [], model.layers[0].attention_norm.weight.shape[0]
+    for x, target in batches(width=width):
         if sequence_parallel:
             x, target = x.chunk(world, dim=1)[rank], target.chunk(world, dim=1)[rank]
-        loss = (model(x).float() - target).square().sum() / (BATCH * TOKENS * WIDTH)
+        loss = (model(x).float() - target).square().sum() / (BATCH * TOKENS * width)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(_summed(loss.detach()) if sequence_parallel else loss.item())
+        losses.append(_summed(loss.detach(), group) if sequence_parallel else loss.item())
     with torch.no_grad():
-        x = torch.ones(BATCH, TOKENS, WIDTH)
+        x = torch.ones(BATCH, TOKENS, width)
         output = model(x.chunk(world, dim=1)[rank] if sequence_parallel else x)
     if sequence_parallel:
-        output = _gathered_tokens(output, world)
+        output = _gathered_tokens(output, world, group)
     return {"losses": losses, "output": output, "weights": plain_weights(model)}
 
 
@@ -177,27 +181,32 @@ def counting_quantized_gemms():
 
 
 def plain_weights(model: nn.Module) -> dict:
-    """Every parameter's whole value, dequantized, as plain tensors (gathered when sharded)."""
+    """Every parameter's whole value as plain tensors (gathered when sharded); a quantized one as the
+    exact fp32 values of each copy it holds (`name`, `name:columnwise`)."""
+    from qtensor.fsdp import full_tensor
+
     found = {}
     for name, param in model.named_parameters():
-        value = param.full_tensor() if hasattr(param, "full_tensor") else param
-        value = value.dequantize() if isinstance(value, qtensor.QuantizedTensor) else value
+        value = full_tensor(param, name)  # a quantized shard gathered as its bytes
+        if isinstance(value, qtensor.QuantizedTensor):
+            found[f"{name}:columnwise"] = value.dequantize(torch.float32, "columnwise").detach().clone()
+            value = value.dequantize()
         found[name] = (value.plain() if isinstance(value, qtensor.DynamicWeight) else value).detach().clone()
     return found
 
 
-def _summed(value: torch.Tensor) -> float:
+def _summed(value: torch.Tensor, group=None) -> float:
     import torch.distributed as dist
 
-    dist.all_reduce(value)
+    dist.all_reduce(value, group=group)
     return value.item()
 
 
-def _gathered_tokens(local: torch.Tensor, world: int) -> torch.Tensor:
+def _gathered_tokens(local: torch.Tensor, world: int, group=None) -> torch.Tensor:
     import torch.distributed as dist
 
     pieces = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(pieces, local.contiguous())
+    dist.all_gather(pieces, local.contiguous(), group=group)
     return torch.cat(pieces, dim=1)
 
 
@@ -227,18 +236,6 @@ def run_distributed(out_path: str) -> None:
         results["cut_block"] = "no error"
     except ValueError as error:
         results["cut_block"] = str(error)
-    # FSDP2 over tensor parallelism (a 2-D mesh, here 1 x 2): refused at the first forward, naming the layer.
-    from torch.distributed.fsdp import fully_shard
-
-    mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    model = parallelize(build("float8_current", "dynamic"), mesh_2d["tp"], True)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh_2d["dp"])
-    try:
-        model(torch.randn(BATCH, TOKENS // world, WIDTH))
-        results["two_d"] = "no error"
-    except NotImplementedError as error:
-        results["two_d"] = str(error)
     # dist.broadcast of a quantized tensor: rank 0's bytes and scale on every rank.
     torch.manual_seed(rank)
     quantized = qtensor.Float8Quantizer().quantize(torch.randn(8, 16) * (rank + 1))
@@ -254,7 +251,83 @@ def run_distributed(out_path: str) -> None:
     dist.barrier()
 
 
+def two_d(recipe: str, weights: str, mesh, seed: int = 0) -> nn.Module:
+    """The model on a ("dp", "tp") mesh as torchtitan lays it out: tensor parallelism first, then
+    FSDP2 over the data-parallel dimension, per block and at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = parallelize(build(recipe, weights, seed, width=WIDTH_2D), mesh["tp"], True)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+@contextlib.contextmanager
+def checking_weight_scales(model: nn.Module):
+    """Inside, [checked, disagreeing]: at every linear's forward and backward, the tensor-wide scale
+    buffers of the weight copy that GEMM reads (rowwise forward, columnwise backward) in FSDP2's
+    gathered shard of the tensor-parallel shard, compared across all ranks: one tensor cast with one
+    scale holds the same ones on every rank."""
+    import torch.distributed as dist
+
+    counts = [0, 0]
+
+    def check(module, direction):
+        storage = getattr(module._parameters["weight"]._local_tensor, direction)
+        values = [getattr(storage, spec.name).float().reshape(-1) for spec in storage.buffer_specs() if spec.tensor_wide]
+        if values:
+            high = torch.cat(values)
+            low = -high
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            dist.all_reduce(low, op=dist.ReduceOp.MAX)
+            counts[0] += 1
+            counts[1] += int(not torch.equal(high, -low))
+
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    handles = [m.register_forward_pre_hook(lambda module, args: check(module, "rowwise")) for m in linears]
+    handles += [m.register_full_backward_pre_hook(lambda module, grad: check(module, "columnwise")) for m in linears]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_two_d(out_path: str) -> None:
+    """4 ranks: FSDP2 over "dp" (2) and tensor parallelism over "tp" (2). Every rank sees the same
+    batches (the data-parallel replicas average equal gradients), each tensor-parallel rank its half
+    of the tokens (sequence parallelism)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    folder, results = os.path.dirname(out_path), {}
+    for recipe in RECIPES:
+        for weights in ("dynamic", "quantized"):
+            model = two_d(recipe, weights, mesh)
+            with counting_quantized_gemms() as count, checking_weight_scales(model) as scales:
+                result = train(model, weights, rank=tp.get_local_rank(), world=2, sequence_parallel=True, group=tp.get_group())
+            # torch.distributed.checkpoint of the 2-D model, loaded here into FSDP2 over all 4 ranks
+            # (4 x 1) and by the test into one process (2 x 2 -> 1).
+            checkpoint = os.path.join(folder, f"dcp_{recipe}_{weights}")
+            dcp.save(model.state_dict(), checkpoint_id=checkpoint)
+            flat = build(recipe, weights, seed=7, width=WIDTH_2D)
+            for block in flat.layers:
+                fully_shard(block)
+            fully_shard(flat)
+            dcp.load(flat.state_dict(), checkpoint_id=checkpoint)
+            results[(recipe, weights)] = {**result, "quantized_linears": count[0], "scales": scales,
+                                          "four_by_one": plain_weights(flat)}
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+
+
 if __name__ == "__main__":
     from workers import worker_main
 
-    worker_main(run_distributed)
+    worker_main(run_two_d if os.environ.get("WORLD_SIZE") == "4" else run_distributed)
