@@ -2,6 +2,7 @@
 
     python -m qtensor.demo [--steps N] [--spread-seeds S] [--d-model D] [--layers L] [--device cpu|cuda]
     torchrun --nproc-per-node N -m qtensor.demo --fsdp     (FSDP2: gloo on CPU, NCCL on GPUs)
+    torchrun --nproc-per-node N -m qtensor.demo --tp T     (tensor parallelism over T ranks, FSDP2 over N / T)
 
 The model is built in code (nn.TransformerEncoder layers with a causal mask, an embedding and an
 output head) and learns to write sums ("37+45=82;") from a synthetic stream, so nothing is
@@ -203,27 +204,64 @@ def train_step(model: nn.Module, optimizer, tokens: torch.Tensor, autocast: bool
 
 
 class Sharding:
-    """--fsdp: one process of a torchrun launch. Every rank trains on the same batches, so the
-    table is the single-process one; FSDP2 (fully_shard on each block, then the root) shards the
-    weights and all-gathers them in low precision."""
+    """--fsdp / --tp: one process of a torchrun launch. Every rank trains on the same batches, so the
+    table is the single-process one (up to the rounding of tensor-parallel partial sums); FSDP2
+    (fully_shard on each block, then the root) shards the weights and all-gathers them in low
+    precision. With --tp T the ranks form a ("dp", "tp") mesh: each block's MLP is tensor-parallel
+    over "tp" with torch's own styles (linear1 ColwiseParallel, linear2 RowwiseParallel; the packed
+    attention in-projection stays whole), and FSDP2 shards over "dp"."""
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, tp: int = 1):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size, self.tp = dist.get_rank(), dist.get_world_size(), tp
+        if self.world_size % tp:
+            raise SystemExit(f"--tp {tp} must divide the {self.world_size} ranks of the launch (torchrun --nproc-per-node).")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        self.mesh = init_device_mesh(device_type, (self.world_size,))
+        if tp > 1:
+            mesh = init_device_mesh(device_type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+            self.mesh, self.tp_mesh = mesh["dp"], mesh["tp"]
+        else:
+            self.mesh = init_device_mesh(device_type, (self.world_size,))
+        self.tp_bytes = 0  # bytes this rank handed to tensor-parallel all-reduces since the last reset
+
+    def describe(self) -> str:
+        if self.tp == 1:
+            return f"{self.world_size} ranks (FSDP2)"
+        return f"{self.world_size} ranks ({self.world_size // self.tp}-way FSDP2 x {self.tp}-way tensor parallel)"
 
     def shard(self, model: nn.Module) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            for layer in model.blocks.layers:
+                parallelize_module(layer, self.tp_mesh, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()})
+                self._count_all_reduces(layer)
         for layer in model.blocks.layers:
             fully_shard(layer, mesh=self.mesh)
         fully_shard(model, mesh=self.mesh)
+
+    def _count_all_reduces(self, layer: nn.Module) -> None:
+        """Count what the MLP's two all-reduces carry: linear2's partial sums in the forward, and
+        the partial gradient of linear1's input in the backward."""
+
+        def counted(tensor):
+            local = getattr(tensor, "_local_tensor", tensor)
+            self.tp_bytes += local.numel() * local.element_size()
+
+        layer.linear2.register_forward_hook(lambda module, args, output: counted(output))
+
+        def watch_input(module, args):
+            if args[0].requires_grad:
+                args[0].register_hook(counted)
+
+        layer.linear1.register_forward_pre_hook(watch_input)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -243,6 +281,7 @@ def train(run: Run, base: nn.Module, args, device: torch.device, sharding: Shard
     if sharding is not None:
         sharding.shard(model)
         gather_stats(reset=True)
+        sharding.tp_bytes = 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if run.weights == "quantized":
         optimizer = MasterWeights(optimizer)
@@ -267,6 +306,7 @@ def train(run: Run, base: nn.Module, args, device: torch.device, sharding: Shard
         # Under --fsdp the table reports the all-gather bytes instead of a save and reload.
         "checkpoint": save_and_reload(run, model, base, args, device) if run.recipe is not None and sharding is None else None,
         "gathered": (gathered["bytes"] / args.steps, gathered["bf16_bytes"] / args.steps) if sharding else None,
+        "tp_bytes": sharding.tp_bytes / args.steps if sharding else None,
     }
 
 
@@ -305,9 +345,13 @@ def main(argv=None) -> None:
     parser.add_argument("--formats", action="store_true", help="print the per-format error table and exit")
     parser.add_argument("--save-dir", help="where each run's model is saved (default: a temporary directory)")
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (launch with torchrun --nproc-per-node N)")
+    parser.add_argument(
+        "--tp", type=int, default=1,
+        help="tensor parallelism over this many ranks, FSDP2 over the rest (launch with torchrun; implies --fsdp)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    sharding = Sharding(device.type) if args.fsdp else None
+    sharding = Sharding(device.type, args.tp) if args.fsdp or args.tp > 1 else None
     if sharding is not None:
         device = sharding.device
     if args.formats:
@@ -320,7 +364,7 @@ def main(argv=None) -> None:
     runs += spread_runs(args.spread_seeds)
     lead = sharding is None or sharding.rank == 0
     if lead:
-        where = f"{sharding.world_size} ranks (FSDP2)" if sharding else str(device)
+        where = sharding.describe() if sharding else str(device)
         print(
             f"TinyLM d_model={args.d_model} layers={args.layers} on {where}: {args.steps} steps of "
             f"{args.batch}x{args.length} tokens per recipe (uniform guess: loss {math.log(len(VOCABULARY)):.3f})",
@@ -351,6 +395,8 @@ def print_table(results: dict, args, sharding: Sharding | None) -> None:
     baseline = results["bf16"]["final_loss"]
     spread = bf16_spread(results)
     last = f"{'all-gather KiB/step (bf16)':>28}" if sharding else f"{'file KiB':>10}  reload"
+    if sharding and sharding.tp > 1:
+        last += f"{'TP all-reduce KiB/step':>24}"
     print(
         f"\n{'recipe':<26}{'final loss':>11}{'gap to bf16':>13}{'vs bf16 spread':>16}"
         f"{'weight KiB fwd/all':>20}{'step ms':>10}{last}"
@@ -369,6 +415,8 @@ def print_table(results: dict, args, sharding: Sharding | None) -> None:
         if sharding:
             sent, bf16 = result["gathered"]
             tail = f"{sent / 1024:>19.1f} ({bf16 / 1024:.1f})" if sent else f"{'-':>19}"
+            if sharding.tp > 1:
+                tail = f"{tail:<28}{result['tp_bytes'] / 1024:>24.1f}"
         else:
             saved = result["checkpoint"]
             tail = f"{saved[0] / 1024:>10.1f}  {'identical' if saved[1] else 'DIFFERENT'}" if saved else f"{'':>10}  -"
@@ -401,6 +449,14 @@ def print_table(results: dict, args, sharding: Sharding | None) -> None:
             "sent. Every rank trains on the same batches, so the losses are the single-process ones (on GPUs up "
             "to AdamW's foreach rounding, README \"Known limits\"). No checkpoint is written in this mode."
         )
+        if sharding.tp > 1:
+            print(
+                "TP all-reduce KiB/step: what one rank handed to the tensor-parallel MLPs' all-reduces per step, "
+                "in the activations' dtype (bf16 under autocast): linear2's partial sums in the forward, the "
+                "partial gradient of linear1's input in the backward. Partial sums stay in high precision. "
+                "The rounding of those sums differs from one process's, so the losses may differ from a "
+                "single-process run in the last digits."
+            )
     else:
         reloaded = [r["checkpoint"][1] for r in results.values() if r["checkpoint"]]
         print(

@@ -126,7 +126,9 @@ class TensorParallelShard:
         x_local = self._input(x, Shard(x.dim() - 1))
         y = local_linear(x_local, weight, None, shards={"input": self._group(), "weight": self._group()})
         out = DTensor.from_local(y, self.mesh, (Partial(),), run_check=False)
-        return out if bias is None else out + bias
+        # In the output's dtype, as F.linear adds it under autocast (a float32 bias would promote a
+        # bf16 output, and double what the style's reduction sends).
+        return out if bias is None else out + bias.to(y.dtype)
 
     def _replicated_parallel(self, x, weight, bias):
         x_local = self._input(x, Replicate())

@@ -185,11 +185,11 @@ def test_the_main_job_under_torchrun_prints_the_single_process_losses_and_the_ga
                "-m", "qtensor.demo", "--fsdp", "--device", "cpu", *arguments]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
-    sharded = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line[:1].isalpha() and "all-gather" not in line}
+    sharded = workers.demo_rows(done.stdout)
     demo.main([*arguments, "--device", "cpu"])
-    single = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isalpha()}
-    for name in ("bf16", "nvfp4", "mxfp8,"):
-        assert sharded[name][1] == single[name][1], (name, sharded[name], single[name])  # final loss, as printed
+    single = workers.demo_rows(capsys.readouterr().out)
+    for name in ("bf16", "nvfp4", "mxfp8, quantized weights"):
+        assert sharded[name][0] == single[name][0], (name, sharded[name], single[name])  # final loss, as printed
     nvfp4 = sharded["nvfp4"]
     sent, bf16 = float(nvfp4[-2]), float(nvfp4[-1].strip("()"))
     assert 0 < sent <= 0.3 * bf16

@@ -236,6 +236,15 @@ def run_distributed(out_path: str) -> None:
         results["cut_block"] = "no error"
     except ValueError as error:
         results["cut_block"] = str(error)
+    # Under bf16 autocast a row-parallel layer's output is bf16, as nn.Linear's (a float32 bias added
+    # to the partial sums would promote it).
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    model = nn.Sequential(nn.Linear(64, 32))
+    qtensor.quantize_(model, qtensor.recipes.mxfp8())
+    parallelize_module(model, mesh, {"0": RowwiseParallel()})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        results["row_parallel_autocast_dtype"] = model(torch.randn(4, 64 // world)).dtype  # this rank's columns
     # dist.broadcast of a quantized tensor: rank 0's bytes and scale on every rank.
     torch.manual_seed(rank)
     quantized = qtensor.Float8Quantizer().quantize(torch.randn(8, 16) * (rank + 1))

@@ -28,6 +28,11 @@ def launch(script: str, out, world: int = 2, timeout: int = 240) -> None:
     assert all(worker.returncode == 0 for worker in workers), "\n".join(outputs)[-6000:]
 
 
+def demo_rows(printed: str) -> dict:
+    """The rows of the table `python -m qtensor.demo` prints: {recipe name: the fields after it}."""
+    return {line[:26].strip(): line[26:].split() for line in printed.splitlines() if line[:1].isalpha() and line[26:27] == " "}
+
+
 def worker_main(run) -> None:
     """A worker's `__main__`: `run(OUT)`, a traceback and exit code 1 on any failure."""
     code = 0
