@@ -341,12 +341,13 @@ def running_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The live running-state tensors of a quantized module's quantizers, by state_dict key suffix
     (`input_quantizer.amax_history`), on the weight's device as a module's buffers would be. A
     quantized weight's entry carries its own quantizer's state, so that role is left out when the
-    weight is a QuantizedTensor."""
+    weight is a QuantizedTensor (or a sharded one: a DTensor over a QuantizedTensor)."""
     state = {}
     for attribute, (linear, _) in module._qtensor_layers.items():
         weight = getattr(module, attribute)
+        quantized = isinstance(getattr(weight, "_local_tensor", weight), QuantizedTensor)
         for role, quantizer in linear.roles().items():
-            if quantizer is None or (role == "weight" and isinstance(weight, QuantizedTensor)):
+            if quantizer is None or (role == "weight" and quantized):
                 continue
             quantizer.move_state(weight.device)
             prefix = f"{_state_prefix(attribute)}{role}_quantizer."

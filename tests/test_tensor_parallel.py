@@ -144,7 +144,7 @@ def test_fsdp2_over_tensor_parallelism_trains_like_one_process(two_d, recipe, we
 
 @pytest.mark.parametrize("recipe", tp_cases.RECIPES)
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-def test_a_2x2_distributed_checkpoint_loads_into_4x1_and_into_one_process_bit_for_bit(two_d, recipe, weights):
+def test_a_2x2_checkpoint_loads_into_4x1_and_into_one_process_bit_for_bit(two_d, recipe, weights):
     import torch.distributed.checkpoint as dcp
 
     results, folder = two_d
@@ -153,10 +153,15 @@ def test_a_2x2_distributed_checkpoint_loads_into_4x1_and_into_one_process_bit_fo
     model = tp_cases.build(recipe, weights, seed=11, width=tp_cases.WIDTH_2D)
     dcp.load(model.state_dict(), checkpoint_id=str(folder / f"dcp_{recipe}_{weights}"), no_dist=True)
     one = tp_cases.plain_weights(model)
-    assert saved.keys() == four_by_one.keys() == one.keys()
+    # qtensor.save_model of the 2 x 2 model (each weight's pieces gathered as their bytes), loaded here
+    from_file = tp_cases.build(recipe, weights, seed=12, width=tp_cases.WIDTH_2D)
+    assert qtensor.load_model(from_file, folder / f"full_{recipe}_{weights}.safetensors") == ([], [])
+    from_file = tp_cases.plain_weights(from_file)
+    assert saved.keys() == four_by_one.keys() == one.keys() == from_file.keys()
     for name, value in saved.items():
         assert torch.equal(four_by_one[name], value), name
         assert torch.equal(one[name], value), name
+        assert torch.equal(from_file[name], value), name
     if weights == "quantized":
         assert any(name.endswith(":columnwise") for name in saved)
 

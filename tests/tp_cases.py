@@ -324,6 +324,7 @@ def run_two_d(out_path: str) -> None:
             # (4 x 1) and by the test into one process (2 x 2 -> 1).
             checkpoint = os.path.join(folder, f"dcp_{recipe}_{weights}")
             dcp.save(model.state_dict(), checkpoint_id=checkpoint)
+            qtensor.save_model(model, os.path.join(folder, f"full_{recipe}_{weights}.safetensors"))  # every rank
             flat = build(recipe, weights, seed=7, width=WIDTH_2D)
             for block in flat.layers:
                 fully_shard(block)
