@@ -17,6 +17,10 @@ A tensor sharded across the group (the weight, the row-parallel input, the colum
 gradient) is quantized with its tensor-wide amaxes reduced over the group, and with shard edges on
 block boundaries (checked, with an error naming the layer), so each rank holds exactly its slice of
 what one process would quantize. The style's hooks move activations and gradients between layouts.
+
+Under FSDP2 on a 2-D mesh, FSDP2 gathers its own dimension before these hooks run: the local shard is
+then FSDP2's gathered tensor-parallel shard, whose cast reduced its amaxes over both dimensions
+(`fsdp.shard_groups`).
 """
 
 from __future__ import annotations
