@@ -306,14 +306,7 @@ class Storage:
         holds exact (ops.copy_ refuses to requantize such a slice, which would change those rows).
         A split still needs every edge on a boundary, since the next piece starts there.
         """
-        block = self.row_block()
-        for edge in (start,):
-            if edge % block and edge != self.rows:
-                raise ValueError(
-                    f"{self.format_name} {self.direction} blocks span {block} rows; a row range "
-                    f"[{start}, {stop}) of a tensor with {self.rows} rows (2-D view "
-                    f"[{self.rows}, {self.cols}]) breaks a block. Split at multiples of {block} rows."
-                )
+        self._check_edges("rows", start, stop, (start,))
         pieces = {}
         for spec in self.buffer_specs():
             buffer = getattr(self, spec.name)
@@ -327,6 +320,18 @@ class Storage:
         if not whole:
             piece.slice_of = (self, start, stop)  # what ops.copy_ checks before requantizing it
         return piece
+
+    def _check_edges(self, lines: str, start: int, stop: int, edges: tuple[int, ...]) -> None:
+        """ValueError unless each of `edges` of the range [start, stop) of `lines` ("rows" or
+        "columns") falls on a block boundary or at the end."""
+        block, count = (self.row_block(), self.rows) if lines == "rows" else (self.col_block(), self.cols)
+        for edge in edges:
+            if edge % block and edge != count:
+                raise ValueError(
+                    f"{self.format_name} {self.direction} blocks span {block} {lines}; a {lines[:-1]} range "
+                    f"[{start}, {stop}) of a tensor with {count} {lines} (2-D view "
+                    f"[{self.rows}, {self.cols}]) breaks a block. Split at multiples of {block} {lines}."
+                )
 
     def col_block(self) -> int:
         """Column ranges must start (and, but at the last column, end) on multiples of this."""
@@ -343,14 +348,7 @@ class Storage:
         a row-parallel weight's shard holds. Both edges must fall on block boundaries (or `stop` on
         the last column); buffers shared by every column are shared by the slice, which, like a row
         slice, then may not requantize them."""
-        block = self.col_block()
-        for edge in (start, stop):
-            if edge % block and edge != self.cols:
-                raise ValueError(
-                    f"{self.format_name} {self.direction} blocks span {block} columns; a column range "
-                    f"[{start}, {stop}) of a tensor with {self.cols} columns (2-D view "
-                    f"[{self.rows}, {self.cols}]) breaks a block. Split at multiples of {block} columns."
-                )
+        self._check_edges("columns", start, stop, (start, stop))
         pieces = {}
         for spec in self.buffer_specs():
             buffer = getattr(self, spec.name)
