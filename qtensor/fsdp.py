@@ -285,16 +285,9 @@ def post_all_gather(
         rows = max(0, min(plan.shard_rows, total_rows - rank * plan.shard_rows))
         offset = rank * per_rank
         for direction, template in templates.items():
-            buffers = {}
-            for spec in template.layout(template.direction, plan.shard_rows, template.cols, **template.options):
-                if spec.tensor_wide:  # not sent: every rank holds the same one
-                    buffers[spec.name] = getattr(template, spec.name)
-                    continue
-                nbytes = math.prod(spec.shape) * spec.dtype.itemsize
-                buffers[spec.name] = raw[offset : offset + nbytes].view(spec.dtype).reshape(spec.shape)
-                offset += _aligned(nbytes)
+            piece, offset = unpacked_rows(raw, template, plan.shard_rows, offset)
             if rows:
-                pieces[direction].append(template.rebuilt(buffers, rows=plan.shard_rows).slice_rows(0, rows))
+                pieces[direction].append(piece.slice_rows(0, rows))
     gathered = {d: type(templates[d]).cat_rows(pieces[d]) for d in plan.directions}
     for direction in plan.rebuilt:
         shared = local.columnwise is local.rowwise
@@ -410,6 +403,21 @@ def _rebuilds_columnwise(tensor: QuantizedTensor) -> bool:
         return True  # one storage serves both (Identity)
     rowwise, columnwise = tensor.rowwise, tensor.columnwise
     return rowwise is not None and type(rowwise).rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise)) and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
+
+
+def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int = 0) -> tuple[Storage, int]:
+    """(a storage like `template` of `rows` rows over the per-row buffers packed in the uint8 `raw`
+    from `offset` on, the offset after them): the inverse of packing `_row_buffers`, each at an
+    `_aligned` offset. Tensor-wide buffers are not sent: the template's are every rank's."""
+    buffers = {}
+    for spec in template.layout(template.direction, rows, template.cols, **template.options):
+        if spec.tensor_wide:
+            buffers[spec.name] = getattr(template, spec.name)
+            continue
+        nbytes = math.prod(spec.shape) * spec.dtype.itemsize
+        buffers[spec.name] = raw[offset : offset + nbytes].view(spec.dtype).reshape(spec.shape)
+        offset += _aligned(nbytes)
+    return template.rebuilt(buffers, rows=rows), offset
 
 
 def _row_buffers(storage: Storage) -> list[torch.Tensor]:

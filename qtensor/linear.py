@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import gemm, layer_state, running_state
+from . import gemm, layer_state, running_state, sequence_parallel
 from .kernels import is_fake
 from .layer import LinearQuantizers
 from .numerics import reduce_amax_over
@@ -91,6 +91,9 @@ class SavedOperand(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     quantizer: Quantizer | None
+    # A gathered activation's columnwise copy is saved as this rank's rows, and gathered by the
+    # backward over this layout (sequence_parallel.py).
+    gather: sequence_parallel.TokenLayout | None = None
 
 
 def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
@@ -101,20 +104,27 @@ def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
     dequantize it). No wrapper is made or flattened here."""
     if direction is None or not isinstance(tensor, QuantizedTensor):
         return [tensor], None
-    storage = tensor.storage_for(direction)
+    deferred = sequence_parallel.deferred_columnwise(tensor) if direction == "columnwise" and not tensor.has_columnwise else None
+    if deferred is not None:
+        layout, storage = deferred
+        layout.users += 1
+    else:
+        layout, storage = None, tensor.storage_for(direction)
     options = storage.options
     names = _buffer_names(type(storage), storage.direction, tuple(options.values()))
     # `.data`: the buffers' own version counters stay out of autograd's check, as they were when the
     # wrapper was saved (FSDP2 gathers a weight into the same buffers again before the backward).
     tensors = [getattr(storage, name).data for name in names]
     fields = dict(direction=storage.direction, rows=storage.rows, cols=storage.cols, row_slice=storage.row_slice, **options)
-    return tensors, SavedOperand(tensor.data_class, direction, names, type(storage), fields, tensor.shape, tensor.dtype, tensor.quantizer)
+    return tensors, SavedOperand(tensor.data_class, direction, names, type(storage), fields, tensor.shape, tensor.dtype, tensor.quantizer, layout)
 
 
 def _unpack_saved(tensors, saved: SavedOperand | None) -> torch.Tensor | None:
     if saved is None:
         return tensors[0]
     storage = saved.storage_class(**saved.storage_fields, **dict(zip(saved.names, tensors)))
+    if saved.gather is not None:
+        storage = saved.gather.gathered_columnwise(storage)
     rowwise, columnwise = (storage, None) if saved.direction == "rowwise" else (None, storage)
     return saved.cls(saved.shape, saved.dtype, rowwise, columnwise, saved.quantizer)
 
@@ -130,8 +140,11 @@ class QuantizedLinearFunction(torch.autograd.Function):
         # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
         x2d = fold_to_2d(x)
         with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
-            with _sharded(shards, "input"):
-                x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
+            if isinstance(x, QuantizedTensor):  # cast and all-gathered before this layer (sequence_parallel.py)
+                x_q = sequence_parallel.input_operand(linear.input, x, linear, columnwise=weight_needs_grad and quantized_backward)
+            else:
+                with _sharded(shards, "input"):
+                    x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
         with _sharded(shards, "weight"):
             w_q, weight_notes, version = weight.linear_operand(columnwise=input_needs_grad and quantized_backward, training=training)
         # A weight's amax is recorded once per version of its values, by the first training step
@@ -185,7 +198,9 @@ class QuantizedLinearFunction(torch.autograd.Function):
         grad_q = grad_2d
         with linear.using_state(ctx.state) if ctx.state else contextlib.nullcontext():
             with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
-                if linear.backward_override is None and (input_needs_grad or weight_needs_grad):
+                if isinstance(grad_2d, QuantizedTensor):  # cast and all-gathered after this layer (sequence_parallel.py)
+                    grad_q = sequence_parallel.gradient_operand(linear.grad_output, grad_2d, linear)
+                elif linear.backward_override is None and (input_needs_grad or weight_needs_grad):
                     # Quantized once, with both usages the two backward GEMMs need.
                     with _sharded(ctx.shards, "grad_output"):
                         grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)

@@ -25,10 +25,13 @@ then FSDP2's gathered tensor-parallel shard, whose cast reduced its amaxes over 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .layer import LinearQuantizers
 from .linear import local_linear
+from .sequence_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel, scatter_tokens  # noqa: F401 (styles)
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -44,8 +47,10 @@ class TensorParallelShard:
     """How a tensor-parallel layer's weight is placed, for the length of one forward: the DTensor
     parameter (its mesh and placement) and the layer's quantizers."""
 
-    def __init__(self, parameter, linear: LinearQuantizers, owner: str):
+    def __init__(self, parameter, linear: LinearQuantizers, owner: str, scatter_tokens=None):
         self.parameter, self.linear_quantizers = parameter, linear
+        # QuantizedRowwiseParallel's output placement Shard(d): the output gradient is gathered quantized.
+        self.scatter_tokens = scatter_tokens
         self.mesh = parameter.device_mesh
         if self.mesh.ndim != 1:
             raise NotImplementedError(
@@ -129,10 +134,33 @@ class TensorParallelShard:
     def _row_parallel(self, x, weight, bias):
         x_local = self._input(x, Shard(x.dim() - 1))
         y = local_linear(x_local, weight, None, shards={"input": self._group(), "weight": self._group()})
-        out = DTensor.from_local(y, self.mesh, (Partial(),), run_check=False)
+        dim = self.scatter_tokens.dim % y.dim() if self.scatter_tokens is not None else y.dim() - 1
+        if dim < y.dim() - 1:  # sequence parallelism: the backward gathers the gradient quantized
+            directions = self._gradient_directions(x_local, weight, y, dim)
+            out = DTensor.from_local(scatter_tokens(y, self.linear_quantizers, self.mesh, dim, directions), self.mesh, (Shard(dim),), run_check=False)
+        else:
+            out = DTensor.from_local(y, self.mesh, (Partial(),), run_check=False)
         # In the output's dtype, as F.linear adds it under autocast (a float32 bias would promote a
         # bf16 output, and double what the style's reduction sends).
         return out if bias is None else out + bias.to(y.dtype)
+
+    def _gradient_directions(self, x_local, weight, y, dim) -> tuple:
+        """The copies of the output gradient this layer's backward reads, gathered in its dtype
+        (and cast by the layer) where it keeps its gradient in high precision."""
+        linear = self.linear_quantizers
+        quantizer = linear.grad_output if linear.backward_override is None else None
+        if quantizer is None or not y.requires_grad:
+            return ()
+        run = math.prod(y.shape[dim:-1]) // self.mesh.size()
+        block = quantizer.shard_block()[0]
+        if run % block:
+            raise ValueError(
+                f"layer {linear.name or '<root>'!r}: QuantizedRowwiseParallel gathers the output gradient of "
+                f"{run} rows per run from each of {self.mesh.size()} ranks, which cuts the {block}-row blocks of its "
+                f"{quantizer.describe()} quantization. Use a sequence length whose share per rank is a multiple "
+                f"of {block}, or RowwiseParallel."
+            )
+        return tuple(d for d, needed in (("rowwise", x_local.requires_grad), ("columnwise", weight.requires_grad)) if needed)
 
     def _replicated_parallel(self, x, weight, bias):
         x_local = self._input(x, Replicate())
@@ -163,7 +191,7 @@ def enter(module: torch.nn.Module, args) -> None:
         parameter = module._parameters.get(attribute)
         if not is_distributed(parameter):
             continue
-        placement = TensorParallelShard(parameter, linear, type(module).__name__)
+        placement = TensorParallelShard(parameter, linear, type(module).__name__, module.__dict__.get("_qtensor_scatter_tokens"))
         local = parameter.to_local()
         local.tensor_parallel = placement
         module.__dict__[attribute] = local  # found before the parameter by attribute lookup

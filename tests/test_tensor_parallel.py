@@ -94,6 +94,58 @@ def test_a_broadcast_quantized_tensor_holds_the_source_ranks_bytes_on_every_rank
     assert distributed["broadcast"] == 2.0  # both ranks
 
 
+# ---- sequence parallelism with quantized gathers (PrepareQuantizedModuleInput, QuantizedRowwiseParallel) ----
+def _copy_bytes(format_name: str, elements: int) -> int:
+    """Bytes of one copy of `elements` values, by the formats' definitions (docs/numerics.md): Float8
+    one byte an element and one tensor-wide scale (not sent); MXFP8 one byte an element and one E8M0
+    scale per 32; NVFP4 half a byte an element and one E4M3 scale per 16 (its global amax not sent)."""
+    return {"float8": elements, "mxfp8": elements + elements // 32, "nvfp4": elements // 2 + elements // 16}[format_name]
+
+
+# recipe: (the input's rowwise copy, its columnwise copy, the output gradient's copies as sent)
+_GATHERED_FORMATS = {
+    "float8_current": ("float8", "float8", ("float8",)),  # the gradient's columnwise copy is its transpose, made locally
+    "mxfp8": ("mxfp8", "mxfp8", ("mxfp8", "mxfp8")),
+    "nvfp4": ("nvfp4", "nvfp4", ("nvfp4", "nvfp4")),
+    "hybrid": ("mxfp8", "nvfp4", ("nvfp4", "nvfp4")),
+}
+
+
+@pytest.mark.parametrize("recipe", tp_cases.CURRENT)
+def test_sequence_parallel_gathers_carry_the_quantized_bytes(distributed, recipe):
+    """Per block and step: one forward gather for q/k/v and one for gate/up (their input's rowwise
+    copy), the backward's gather of each one's columnwise copy, and one gather of each row-parallel
+    output gradient; the last forward adds two more per block. Each rank sends its tokens' bytes."""
+    elements = tp_cases.BATCH * tp_cases.TOKENS // 2 * tp_cases.WIDTH  # one rank's tokens of one activation
+    rowwise, columnwise, gradient = _GATHERED_FORMATS[recipe]
+    blocks, steps = 2, tp_cases.STEPS
+    expected = (
+        2 * blocks * (steps + 1) * _copy_bytes(rowwise, elements)
+        + 2 * blocks * steps * _copy_bytes(columnwise, elements)
+        + 2 * blocks * steps * sum(_copy_bytes(f, elements) for f in gradient)
+    )
+    gathers = 2 * blocks * (steps + 1) + 4 * blocks * steps
+    for weights in ("dynamic", "quantized"):
+        stats = distributed[(recipe, weights, "quantized")]["gathers"]
+        assert stats == {"all_gathers": gathers, "bytes": expected, "high_precision_bytes": gathers * elements * 4}, weights
+    assert expected < gathers * elements * 2  # fewer bytes than the same gathers in bf16
+
+
+def test_an_mxfp8_gradient_is_gathered_in_bf16_under_autocast_where_its_two_copies_would_be_more_bytes(distributed):
+    elements = tp_cases.BATCH * tp_cases.TOKENS // 2 * tp_cases.WIDTH
+    mxfp8, nvfp4 = distributed[("autocast_gathers", "mxfp8")], distributed[("autocast_gathers", "nvfp4")]
+    # One step of two blocks: the inputs' rowwise (forward) and columnwise (backward) gathers, for both...
+    assert (mxfp8["all_gathers"], mxfp8["bytes"]) == (8, 8 * _copy_bytes("mxfp8", elements))
+    # ...and for NVFP4 the row-parallel gradients' two copies too (1.125 bytes an element against 2).
+    assert (nvfp4["all_gathers"], nvfp4["bytes"]) == (12, 8 * _copy_bytes("nvfp4", elements) + 4 * 2 * _copy_bytes("nvfp4", elements))
+
+
+def test_quantized_sequence_parallel_refuses_delayed_scaling_and_tokens_that_cut_blocks(distributed):
+    delayed, cut = distributed[("refused", "float8_delayed")], distributed[("refused", "mxfp8")]
+    assert "layers.0.attention.q" in delayed and "delayed" in delayed and "PrepareModuleInput" in delayed, delayed
+    assert "16 tokens" in cut and "32-row blocks" in cut and "layers.0.attention.q" in cut, cut
+
+
 def test_shard_blocks_follow_the_formats_blocks_and_leave_state_and_random_draws_alone():
     """docs/numerics.md: MXFP8 1x32 blocks in both directions, NVFP4 1x16 blocks (16x16 tiles), Float8 none."""
     role = qtensor.Role("linear", "grad_output", "layer")

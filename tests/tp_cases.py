@@ -19,7 +19,7 @@ from torch import nn
 
 import qtensor
 
-WIDTH, HEADS, TOKENS, BATCH = 64, 4, 32, 2
+WIDTH, HEADS, TOKENS, BATCH = 64, 4, 64, 2
 # On a 2 x 2 mesh FSDP2 splits each tensor-parallel shard again: 128 wide keeps every shard edge on
 # MXFP8's 32-row blocks (a q shard of 64 rows, 32 per FSDP2 rank).
 WIDTH_2D = 128
@@ -43,10 +43,14 @@ RECIPES = {
     "nvfp4": _nvfp4,
     "hybrid": _hybrid,
 }
-# (recipe, weights, sequence parallel)
-SCENARIOS = [(recipe, weights, True) for recipe in RECIPES for weights in ("dynamic", "quantized")] + [
-    (recipe, "dynamic", False) for recipe in ("float8_current", "mxfp8", "hybrid")
-]
+# Recipes whose input casts one all-gather can share (no running state): PrepareQuantizedModuleInput takes them.
+CURRENT = [recipe for recipe in RECIPES if recipe != "float8_delayed"]
+# (recipe, weights, sequence parallel: True with torch's styles, "quantized" with qtensor's quantized gathers)
+SCENARIOS = (
+    [(recipe, weights, True) for recipe in RECIPES for weights in ("dynamic", "quantized")]
+    + [(recipe, "dynamic", False) for recipe in ("float8_current", "mxfp8", "hybrid")]
+    + [(recipe, weights, "quantized") for recipe in CURRENT for weights in ("dynamic", "quantized")]
+)
 
 
 class Attention(nn.Module):
@@ -103,28 +107,33 @@ def build(recipe: str, weights: str, seed: int = 0, width: int = WIDTH) -> nn.Mo
     return model
 
 
-def plan(sequence_parallel: bool) -> dict:
+def plan(sequence_parallel: bool | str) -> dict:
     """torch's parallel styles for one block, as torchtitan applies them to Llama."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+    from qtensor.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
+
     row_output = Shard(1) if sequence_parallel else Replicate()
+    row = QuantizedRowwiseParallel if sequence_parallel == "quantized" else RowwiseParallel
     styles = {
         "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
-        "attention.o": RowwiseParallel(output_layouts=row_output),
+        "attention.o": row(output_layouts=row_output),
         "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-        "mlp.down": RowwiseParallel(output_layouts=row_output),
+        "mlp.down": row(output_layouts=row_output),
     }
     if sequence_parallel:
         gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         styles.update({
             "attention_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(**gather), "mlp": PrepareModuleInput(**gather),
+        })
+        prepare = PrepareQuantizedModuleInput if sequence_parallel == "quantized" else PrepareModuleInput
+        styles.update({"attention": prepare(**gather), "mlp": prepare(**gather),
         })
     return styles
 
 
-def parallelize(model: nn.Module, mesh, sequence_parallel: bool) -> nn.Module:
+def parallelize(model: nn.Module, mesh, sequence_parallel: bool | str) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block in model.layers:
@@ -138,7 +147,7 @@ def batches(seed: int = 1, width: int = WIDTH):
         yield torch.randn(BATCH, TOKENS, width, generator=generator), torch.randn(BATCH, TOKENS, width, generator=generator)
 
 
-def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequence_parallel: bool = False, group=None) -> dict:
+def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequence_parallel: bool | str = False, group=None) -> dict:
     """SGD steps on `batches()`: the losses, the output of a last forward, the weights after training.
     With sequence parallelism each rank (`rank` of `world` in the tensor-parallel `group`) feeds and
     scores its own slice of the tokens, and its loss is its slice's share of the whole batch's."""
@@ -155,7 +164,9 @@ def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequ
         optimizer.zero_grad()
         losses.append(_summed(loss.detach(), group) if sequence_parallel else loss.item())
     with torch.no_grad():
-        x = torch.ones(BATCH, TOKENS, width)
+        # Random, not constant: with every token the same, one element that a float32 summation-order
+        # difference moves across an NVFP4 rounding boundary would move every token's output at once.
+        x = torch.randn(BATCH, TOKENS, width, generator=torch.Generator().manual_seed(2))
         output = model(x.chunk(world, dim=1)[rank] if sequence_parallel else x)
     if sequence_parallel:
         output = _gathered_tokens(output, world, group)
@@ -214,6 +225,8 @@ def run_distributed(out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from qtensor import sequence_parallel as sequence_parallel_module
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -222,9 +235,28 @@ def run_distributed(out_path: str) -> None:
         model = parallelize(build(recipe, weights), mesh, sequence_parallel)
         shards = {name: (type(p).__name__, type(p._local_tensor).__name__, tuple(p._local_tensor.shape))
                   for name, p in model.named_parameters() if hasattr(p, "_local_tensor")}
+        sequence_parallel_module.gather_stats(reset=True)
         with counting_quantized_gemms() as count:
             result = train(model, weights, rank=rank, world=world, sequence_parallel=sequence_parallel)
-        results[(recipe, weights, sequence_parallel)] = {**result, "shards": shards, "quantized_linears": count[0]}
+        results[(recipe, weights, sequence_parallel)] = {**result, "shards": shards, "quantized_linears": count[0],
+                                                         "gathers": sequence_parallel_module.gather_stats()}
+    # Under bf16 autocast: which gathers stay quantized (an MXFP8 gradient's two copies are not fewer
+    # bytes than its bf16 values), over one training step.
+    for recipe in ("mxfp8", "nvfp4"):
+        model = parallelize(build(recipe, "dynamic"), mesh, "quantized")
+        x = next(batches())[0].chunk(world, dim=1)[rank]
+        sequence_parallel_module.gather_stats(reset=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().square().mean().backward()
+        results[("autocast_gathers", recipe)] = sequence_parallel_module.gather_stats()
+    # What PrepareQuantizedModuleInput refuses: delayed-scaling inputs, and tokens that cut the blocks.
+    for recipe, tokens in (("float8_delayed", TOKENS), ("mxfp8", TOKENS // 2)):
+        model = parallelize(build(recipe, "dynamic"), mesh, "quantized")
+        try:
+            model(torch.randn(BATCH, tokens // world, WIDTH))
+            results[("refused", recipe)] = "no error"
+        except ValueError as error:
+            results[("refused", recipe)] = str(error)
     # A column-parallel MXFP8 weight whose shards cut its 32-row blocks (48 rows over 2 ranks).
     model = nn.Sequential(nn.Linear(64, 48))
     qtensor.quantize_(model, qtensor.recipes.mxfp8())
@@ -265,7 +297,8 @@ def two_d(recipe: str, weights: str, mesh, seed: int = 0) -> nn.Module:
     FSDP2 over the data-parallel dimension, per block and at the root."""
     from torch.distributed.fsdp import fully_shard
 
-    model = parallelize(build(recipe, weights, seed, width=WIDTH_2D), mesh["tp"], True)
+    # Quantized activation and gradient gathers where the recipe allows them (PrepareQuantizedModuleInput).
+    model = parallelize(build(recipe, weights, seed, width=WIDTH_2D), mesh["tp"], "quantized" if recipe in CURRENT else True)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     return fully_shard(model, mesh=mesh["dp"])
