@@ -27,7 +27,7 @@ import torch
 
 from .numerics import all_reduce_max, ceil_div, reduce_amax_over
 from .ops import mark_scales, scales_agreed
-from .storage import DIRECTIONS, Storage
+from .storage import DIRECTIONS, Storage, _layout
 from .tensor import QuantizedTensor, rows_per_index
 
 _PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -410,7 +410,7 @@ def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int =
     from `offset` on, the offset after them): the inverse of packing `_row_buffers`, each at an
     `_aligned` offset. Tensor-wide buffers are not sent: the template's are every rank's."""
     buffers = {}
-    for spec in template.layout(template.direction, rows, template.cols, **template.options):
+    for spec in _layout(type(template), template.direction, rows, template.cols, template.options).values():
         if spec.tensor_wide:
             buffers[spec.name] = getattr(template, spec.name)
             continue

@@ -108,8 +108,9 @@ class TokenLayout:
                 for rank in range(self.world):
                     piece, offsets[rank] = unpacked_rows(output, storage, storage.rows, offsets[rank])
                     ranks.append(piece)
-                runs = [ranks[rank].slice_rows(i * self.run, (i + 1) * self.run) for i in range(self.outer) for rank in range(self.world)]
-                joined.append(type(storage).cat_rows(runs))
+                if self.outer > 1:  # batch-first: each rank's rows are `outer` runs, interleaved with the others'
+                    ranks = [ranks[rank].slice_rows(i * self.run, (i + 1) * self.run) for i in range(self.outer) for rank in range(self.world)]
+                joined.append(type(storage).cat_rows(ranks))
         return joined
 
     def gathered_columnwise(self, local: Storage) -> Storage:

@@ -262,7 +262,7 @@ class Storage:
         return {name: getattr(self, name) for name in self.option_names()}
 
     def buffer_specs(self) -> tuple[Buffer, ...]:
-        return self.layout(self.direction, self.rows, self.cols, **self.options)
+        return tuple(_layout(type(self), self.direction, self.rows, self.cols, self.options).values())
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:

@@ -26,6 +26,8 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 @pytest.fixture(scope="module")
 def two_d(tmp_path_factory):
     """4 ranks on a 2 x 2 ("dp", "tp") mesh (tp_cases.run_two_d), and where they saved checkpoints."""
+    if tp_cases.DEVICE == "cuda" and torch.cuda.device_count() < 4:
+        pytest.skip(f"the 2 x 2 mesh takes 4 GPUs, one per NCCL rank; this machine has {torch.cuda.device_count()}")
     out = tmp_path_factory.mktemp("tp2d") / "results.pt"
     workers.launch("tp_cases.py", out, world=4, timeout=600)
     return torch.load(out, weights_only=False), out.parent
@@ -52,9 +54,21 @@ def test_tensor_parallel_training_equals_one_process(distributed, recipe, weight
             assert shape[0] * 2 == dict(single["weights"])[name].shape[0] and local != "Tensor", (name, local)
         elif name.endswith(("o.weight", "down.weight")):
             assert shape[1] * 2 == dict(single["weights"])[name].shape[1] and local != "Tensor", (name, local)
+    assert parallel["weights"].keys() == single["weights"].keys()
+    if tp_cases.DEVICE == "cuda" and recipe.startswith("float8"):
+        # The FP8 tensor cores accumulate in reduced precision within each chunk of the reduction
+        # dimension (docs/numerics.md), so a row-parallel layer, whose ranks each sum half of it, rounds
+        # other partial sums than one GEMM over all of it; E4M3/E5M2 casts downstream then round some
+        # elements the other way. The runs agree as two trainings of one model, not bit for bit: the
+        # CPU runs (float32 accumulation) hold them to TOLERANCE.
+        torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), rtol=1e-3, atol=0)
+        for name, (got, expected) in {"output": (parallel["output"], single["output"]),
+                                      **{n: (parallel["weights"][n], w) for n, w in single["weights"].items()}}.items():
+            error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+            assert error <= 3e-2, (name, error)
+        return
     torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), **TOLERANCE)
     torch.testing.assert_close(parallel["output"], single["output"], **TOLERANCE)
-    assert parallel["weights"].keys() == single["weights"].keys()
     for name, weight in single["weights"].items():
         torch.testing.assert_close(parallel["weights"][name], weight, **TOLERANCE, msg=name)
 

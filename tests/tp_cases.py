@@ -19,6 +19,9 @@ from torch import nn
 
 import qtensor
 
+# QTENSOR_TEST_DEVICE=cuda: NCCL with one GPU per rank (the device machine), the reference on the GPU too.
+DEVICE = os.environ.get("QTENSOR_TEST_DEVICE", "cpu")
+
 WIDTH, HEADS, TOKENS, BATCH = 64, 4, 64, 2
 # On a 2 x 2 mesh FSDP2 splits each tensor-parallel shard again: 128 wide keeps every shard edge on
 # MXFP8's 32-row blocks (a q shard of 64 rows, 32 per FSDP2 rank).
@@ -102,7 +105,7 @@ class Net(nn.Module):
 
 def build(recipe: str, weights: str, seed: int = 0, width: int = WIDTH) -> nn.Module:
     torch.manual_seed(seed)
-    model = Net(width)
+    model = Net(width).to(DEVICE)
     qtensor.quantize_(model, RECIPES[recipe](), weights=weights, strict=True)
     return model
 
@@ -144,14 +147,17 @@ def parallelize(model: nn.Module, mesh, sequence_parallel: bool | str) -> nn.Mod
 def batches(seed: int = 1, width: int = WIDTH):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
-        yield torch.randn(BATCH, TOKENS, width, generator=generator), torch.randn(BATCH, TOKENS, width, generator=generator)
+        yield (torch.randn(BATCH, TOKENS, width, generator=generator).to(DEVICE),
+               torch.randn(BATCH, TOKENS, width, generator=generator).to(DEVICE))
 
 
 def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequence_parallel: bool | str = False, group=None) -> dict:
     """SGD steps on `batches()`: the losses, the output of a last forward, the weights after training.
     With sequence parallelism each rank (`rank` of `world` in the tensor-parallel `group`) feeds and
     scores its own slice of the tokens, and its loss is its slice's share of the whole batch's."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    # foreach=False: without sequence parallelism the norms' weights stay plain tensors beside the
+    # DTensor ones, and torch's multi-tensor SGD (the default on CUDA) refuses such a mix.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, foreach=False)
     if weights == "quantized":
         optimizer = qtensor.optim.MasterWeights(optimizer)
     losses, width = [], model.layers[0].attention_norm.weight.shape[0]
@@ -166,7 +172,7 @@ def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequ
     with torch.no_grad():
         # Random, not constant: with every token the same, one element that a float32 summation-order
         # difference moves across an NVFP4 rounding boundary would move every token's output at once.
-        x = torch.randn(BATCH, TOKENS, width, generator=torch.Generator().manual_seed(2))
+        x = torch.randn(BATCH, TOKENS, width, generator=torch.Generator().manual_seed(2)).to(DEVICE)
         output = model(x.chunk(world, dim=1)[rank] if sequence_parallel else x)
     if sequence_parallel:
         output = _gathered_tokens(output, world, group)
@@ -206,9 +212,18 @@ def plain_weights(model: nn.Module) -> dict:
     return found
 
 
+def _init_process_group() -> None:
+    import torch.distributed as dist
+
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+
+
 def _summed(value: torch.Tensor, group=None) -> float:
     import torch.distributed as dist
 
+    value = value.to(DEVICE)  # NCCL reduces GPU tensors only
     dist.all_reduce(value, group=group)
     return value.item()
 
@@ -227,9 +242,9 @@ def run_distributed(out_path: str) -> None:
 
     from qtensor import sequence_parallel as sequence_parallel_module
 
-    dist.init_process_group("gloo")
+    _init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     results = {}
     for recipe, weights, sequence_parallel in SCENARIOS:
         model = parallelize(build(recipe, weights), mesh, sequence_parallel)
@@ -246,25 +261,25 @@ def run_distributed(out_path: str) -> None:
         model = parallelize(build(recipe, "dynamic"), mesh, "quantized")
         x = next(batches())[0].chunk(world, dim=1)[rank]
         sequence_parallel_module.gather_stats(reset=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             model(x).float().square().mean().backward()
         results[("autocast_gathers", recipe)] = sequence_parallel_module.gather_stats()
     # What PrepareQuantizedModuleInput refuses: delayed-scaling inputs, and tokens that cut the blocks.
     for recipe, tokens in (("float8_delayed", TOKENS), ("mxfp8", TOKENS // 2)):
         model = parallelize(build(recipe, "dynamic"), mesh, "quantized")
         try:
-            model(torch.randn(BATCH, tokens // world, WIDTH))
+            model(torch.randn(BATCH, tokens // world, WIDTH, device=DEVICE))
             results[("refused", recipe)] = "no error"
         except ValueError as error:
             results[("refused", recipe)] = str(error)
     # A column-parallel MXFP8 weight whose shards cut its 32-row blocks (48 rows over 2 ranks).
-    model = nn.Sequential(nn.Linear(64, 48))
+    model = nn.Sequential(nn.Linear(64, 48)).to(DEVICE)
     qtensor.quantize_(model, qtensor.recipes.mxfp8())
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     parallelize_module(model, mesh, {"0": ColwiseParallel()})
     try:
-        model(torch.randn(4, 64))
+        model(torch.randn(4, 64, device=DEVICE))
         results["cut_block"] = "no error"
     except ValueError as error:
         results["cut_block"] = str(error)
@@ -272,17 +287,17 @@ def run_distributed(out_path: str) -> None:
     # to the partial sums would promote it).
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    model = nn.Sequential(nn.Linear(64, 32))
+    model = nn.Sequential(nn.Linear(64, 32)).to(DEVICE)
     qtensor.quantize_(model, qtensor.recipes.mxfp8())
     parallelize_module(model, mesh, {"0": RowwiseParallel()})
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        results["row_parallel_autocast_dtype"] = model(torch.randn(4, 64 // world)).dtype  # this rank's columns
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        results["row_parallel_autocast_dtype"] = model(torch.randn(4, 64 // world, device=DEVICE)).dtype  # this rank's columns
     # dist.broadcast of a quantized tensor: rank 0's bytes and scale on every rank.
     torch.manual_seed(rank)
-    quantized = qtensor.Float8Quantizer().quantize(torch.randn(8, 16) * (rank + 1))
+    quantized = qtensor.Float8Quantizer().quantize((torch.randn(8, 16) * (rank + 1)).to(DEVICE))
     dist.broadcast(quantized, src=0)
     torch.manual_seed(0)
-    expected = qtensor.Float8Quantizer().quantize(torch.randn(8, 16))
+    expected = qtensor.Float8Quantizer().quantize(torch.randn(8, 16).to(DEVICE))
     results["broadcast"] = _summed(torch.tensor(float(
         torch.equal(quantized.rowwise.data.view(torch.uint8), expected.rowwise.data.view(torch.uint8))
         and torch.equal(quantized.rowwise.scale_inv, expected.rowwise.scale_inv)
@@ -344,8 +359,8 @@ def run_two_d(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    _init_process_group()
+    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]
     folder, results = os.path.dirname(out_path), {}
     for recipe in RECIPES:
