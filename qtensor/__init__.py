@@ -4,6 +4,7 @@ from . import ops as _ops  # noqa: F401  (registers the format-independent dispa
 from . import optim, recipes
 from .checkpoint import load_file, load_model, save_file, save_model
 from .formats.float8 import Float8Quantizer, Float8Tensor
+from .formats.float8_block import Float8BlockQuantizer, Float8BlockTensor
 from .formats.hybrid import HybridQuantizedTensor, HybridQuantizer
 from .formats.identity import IdentityQuantizer, IdentityTensor
 from .formats.mxfp8 import MXFP8Quantizer, MXFP8Tensor
@@ -33,6 +34,8 @@ __all__ = [
     "optim",
     "quantize_",
     "recipes",
+    "Float8BlockQuantizer",
+    "Float8BlockTensor",
     "Float8Quantizer",
     "Float8Tensor",
     "HybridQuantizedTensor",

@@ -402,7 +402,7 @@ def _rebuilds_columnwise(tensor: QuantizedTensor) -> bool:
     if tensor.columnwise is not None and tensor.columnwise is tensor.rowwise:
         return True  # one storage serves both (Identity)
     rowwise, columnwise = tensor.rowwise, tensor.columnwise
-    return rowwise is not None and type(rowwise).rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise)) and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
+    return rowwise is not None and rowwise.rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise)) and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
 
 
 def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int = 0) -> tuple[Storage, int]:

@@ -25,6 +25,14 @@ def fold_to_2d(x: torch.Tensor) -> torch.Tensor:
 _SHARD_BLOCKS: dict[tuple, tuple[int, int]] = {}  # Quantizer.shard_block by configuration
 
 
+def _col_block(storages) -> int | None:
+    """The column block of `storages`' layouts, or None where one declares no column axis."""
+    try:
+        return max(s.col_block() for s in storages)
+    except ValueError:
+        return None
+
+
 def _fresh(quantizer: "Quantizer") -> "Quantizer":
     """A new quantizer of `quantizer`'s configuration (children too), with new running state."""
     return type(quantizer)(**{k: _fresh(v) if isinstance(v, Quantizer) else v for k, v in quantizer.config().items()})
@@ -113,13 +121,14 @@ class Quantizer:
     def shard_block(self) -> tuple[int, int]:
         """(rows, columns) such that a shard of a tensor whose edges fall on multiples of them,
         quantized with the whole tensor's tensor-wide amaxes, holds exactly its slice of the whole
-        tensor's quantization: the largest block of either direction's stored layout."""
+        tensor's quantization: the largest block of either direction's stored layout. Columns are
+        None where a layout cannot be split along them (scales spanning whole rows)."""
         key = self.config_key()
         if key not in _SHARD_BLOCKS:
             # A probe cast by a fresh quantizer of this configuration, on the CPU, recording nothing
             # and drawing no random numbers: this quantizer's state and torch's generators stay put.
             storages = [s for s in _fresh(self)._quantize_2d(torch.zeros(1, 1), True, True, update_state=False) if s is not None]
-            _SHARD_BLOCKS[key] = (max(s.row_block() for s in storages), max(s.col_block() for s in storages))
+            _SHARD_BLOCKS[key] = (max(s.row_block() for s in storages), _col_block(storages))
         return _SHARD_BLOCKS[key]
 
     def quantizer_for(self, direction: str) -> "Quantizer":

@@ -12,7 +12,9 @@ from typing import Callable
 import torch
 
 from .formats.float8 import Float8Quantizer
+from .formats.float8_block import Float8BlockQuantizer
 from .formats.hybrid import HybridQuantizer
+from .formats.identity import IdentityQuantizer
 from .formats.mxfp8 import MXFP8Quantizer
 from .formats.nvfp4 import NVFP4Quantizer
 from .quantizer import Quantizer
@@ -103,6 +105,52 @@ def _float8(recipe, scaling: str, fp8_dtype, grad_fp8_dtype, fprop_fast_accumula
         grad_output=lambda: Float8Quantizer(grad_fp8_dtype, scaling=scaling, **options),
         options=_changed(_defaults(recipe), given),
         fprop_fast_accumulation=fprop_fast_accumulation,
+    )
+
+
+def float8_rowwise(
+    *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = True, fprop_fast_accumulation: bool = True
+) -> ByTensorType:
+    """Row-wise FP8: one scale per row of each GEMM operand, every tensor `fp8_dtype` (E4M3), scales
+    rounded down to powers of two (`pow2_scales`). The input's and the gradient's columnwise copies
+    (the weight gradient's operands) take one scale per column. `fprop_fast_accumulation` as in
+    `float8_current`."""
+    row = lambda: Float8BlockQuantizer(fp8_dtype, block_rows=1, block_cols=None, pow2_scales=pow2_scales)
+    given = dict(fp8_dtype=fp8_dtype, pow2_scales=pow2_scales, fprop_fast_accumulation=fprop_fast_accumulation)
+    return ByTensorType(
+        "float8_rowwise", input=row, weight=row, grad_output=row,
+        options=_changed(_defaults(float8_rowwise), given), fprop_fast_accumulation=fprop_fast_accumulation,
+    )
+
+
+def float8_rowwise_gw_hp(
+    *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = True, fprop_fast_accumulation: bool = True
+) -> ByTensorType:
+    """`float8_rowwise` with the weight gradient in high precision: the input's and the gradient's
+    columnwise copies, which only dW = dYᵀ·X reads, keep their high-precision values (Identity);
+    the forward GEMM and the input gradient stay row-wise FP8."""
+    row = lambda: Float8BlockQuantizer(fp8_dtype, block_rows=1, block_cols=None, pow2_scales=pow2_scales)
+    high_precision_for_wgrad = lambda: HybridQuantizer(row(), IdentityQuantizer())
+    given = dict(fp8_dtype=fp8_dtype, pow2_scales=pow2_scales, fprop_fast_accumulation=fprop_fast_accumulation)
+    return ByTensorType(
+        "float8_rowwise_gw_hp", input=high_precision_for_wgrad, weight=row, grad_output=high_precision_for_wgrad,
+        options=_changed(_defaults(float8_rowwise_gw_hp), given), fprop_fast_accumulation=fprop_fast_accumulation,
+    )
+
+
+def float8_blockwise(
+    *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = False, fprop_fast_accumulation: bool = False
+) -> ByTensorType:
+    """Block-wise FP8 as DeepSeek-V3 trained: 1x128 blocks for the input and the gradient (each copy
+    along its own reduction dimension), 128x128 blocks for the weight, every tensor `fp8_dtype`
+    (E4M3), fp32 scales (powers of two with `pow2_scales`). `fprop_fast_accumulation` as in
+    `float8_current` (DeepSeek-V3 promoted partial sums to fp32 instead: off by default)."""
+    vector = lambda: Float8BlockQuantizer(fp8_dtype, block_rows=1, block_cols=128, pow2_scales=pow2_scales)
+    tile = lambda: Float8BlockQuantizer(fp8_dtype, block_rows=128, block_cols=128, pow2_scales=pow2_scales)
+    given = dict(fp8_dtype=fp8_dtype, pow2_scales=pow2_scales, fprop_fast_accumulation=fprop_fast_accumulation)
+    return ByTensorType(
+        "float8_blockwise", input=vector, weight=tile, grad_output=vector,
+        options=_changed(_defaults(float8_blockwise), given), fprop_fast_accumulation=fprop_fast_accumulation,
     )
 
 

@@ -170,7 +170,8 @@ class Storage:
     directions: tuple[str, ...] = DIRECTIONS
     option_values: dict[str, tuple] = {}
     # True when `to_direction` rebuilds the other direction exactly (Float8: the transpose), so
-    # FSDP2 gathers one direction and makes the other locally.
+    # FSDP2 gathers one direction and makes the other locally. A format where that depends on its
+    # options makes it a property.
     rebuilds_other_direction: bool = False
 
     def __init_subclass__(cls, **kwargs):

@@ -113,6 +113,13 @@ class TensorParallelShard:
                 continue
             block = quantizer.shard_block()[axis]
             shard = -(-length // size)
+            if block is None and shard < length:
+                raise ValueError(
+                    f"layer {linear.name or '<root>'!r}: its {quantizer.describe()} quantization scales whole rows of "
+                    f"{what}, so tensor parallelism cannot split its {length} columns over {size} ranks (each rank "
+                    "would need every row's amax over all of them). Use another recipe for this layer, or keep it "
+                    "out of quantize_ (filter_fn) or of parallelize_module."
+                )
             if shard % block and shard < length:
                 lines = ("rows", "columns")[axis]
                 raise ValueError(

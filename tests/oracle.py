@@ -145,6 +145,38 @@ class Float8Delayed:
 
 
 # --------------------------------------------------------------------------------------------
+# Float8 with block scales (row-wise, 1x128, 128x128)
+
+
+class Float8BlockResult(NamedTuple):
+    codes: np.ndarray  # uint8, the copy as stored: rowwise [M, K], columnwise [K, M]
+    scale_inv: np.ndarray  # fp32, one per block of the stored copy
+    deq: np.ndarray  # fp32 [M, K]
+    code_mask: np.ndarray  # True where the input is finite, in the stored orientation
+
+
+def float8_block(x2d, direction="rowwise", block_rows=1, block_cols=128, fp8="e4m3", pow2_scales=False, amax_epsilon=0.0):
+    """docs/numerics.md, Float8 with block scales: the copy (x, or x transposed for columnwise) cut into
+    block_rows x block_cols blocks (block_cols None: whole rows), each quantized by Float8's
+    current-scaling rules with its own finite amax floored by amax_epsilon."""
+    x = np.asarray(x2d, F32)
+    y = x if direction == "rowwise" else x.T
+    rows, cols = y.shape
+    block_cols = block_cols or max(cols, 1)
+    grid = (-(-rows // block_rows), -(-cols // block_cols))
+    codes = np.zeros((rows, cols), np.uint8)
+    scale_inv = np.zeros(grid, F32)
+    values = np.zeros((rows, cols), F32)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            r, c = slice(i * block_rows, (i + 1) * block_rows), slice(j * block_cols, (j + 1) * block_cols)
+            amax = max(finite_amax(y[r, c]), F32(amax_epsilon))
+            result = float8_cast(y[r, c], float8_scale(amax, fp8, 0, pow2_scales), fp8)
+            codes[r, c], scale_inv[i, j], values[r, c] = result.codes, result.scale_inv, result.deq
+    return Float8BlockResult(codes, scale_inv, values if direction == "rowwise" else values.T, np.isfinite(y))
+
+
+# --------------------------------------------------------------------------------------------
 # MXFP8 (block 32, E8M0 scales)
 
 
