@@ -132,6 +132,8 @@ def demo_runs() -> list[Run]:
         Run("bf16", None),
         Run("float8_current", Recipe(keep_head(recipes.float8_current()))),
         Run("float8_delayed", Recipe(keep_head(recipes.float8_delayed()))),
+        Run("float8_rowwise", Recipe(keep_head(recipes.float8_rowwise()))),
+        Run("float8_blockwise", Recipe(keep_head(recipes.float8_blockwise()))),
         Run("mxfp8", Recipe(keep_head(recipes.mxfp8()))),
         Run("mxfp8, quantized weights", Recipe(keep_head(recipes.mxfp8())), weights="quantized"),
         Run("nvfp4", Recipe(keep_head(recipes.nvfp4()))),

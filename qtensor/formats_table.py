@@ -5,6 +5,7 @@ import argparse
 import torch
 
 from .formats.float8 import Float8Quantizer
+from .formats.float8_block import Float8BlockQuantizer
 from .formats.hybrid import HybridQuantizer
 from .formats.identity import IdentityQuantizer
 from .formats.mxfp8 import MXFP8Quantizer
@@ -17,6 +18,9 @@ def example_quantizers() -> dict:
         "identity (bf16)": IdentityQuantizer(torch.bfloat16),
         "float8 e4m3 current": Float8Quantizer(),
         "float8 e5m2 current": Float8Quantizer(torch.float8_e5m2),
+        "float8 row-wise pow2": Float8BlockQuantizer(block_rows=1, block_cols=None, pow2_scales=True),
+        "float8 1x128 blocks": Float8BlockQuantizer(block_rows=1, block_cols=128),
+        "float8 128x128 tiles": Float8BlockQuantizer(block_rows=128, block_cols=128),
         "mxfp8 e4m3 rceil": MXFP8Quantizer(),
         "mxfp8 e4m3 floor": MXFP8Quantizer(scale_rounding="floor"),
         "nvfp4": NVFP4Quantizer(),

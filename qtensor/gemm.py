@@ -100,6 +100,56 @@ def _float8_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.d
     return product
 
 
+def _float8_block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor | None:
+    """FP8 × FP8 with fp32 scales per row or block (`Storage.fp8_block_operand`) on the FP8 tensor
+    cores, the scales applied inside the GEMM: row-wise × row-wise (`torch._scaled_mm`'s row-wise
+    scaling), and the 1x128 × 128x128, 128x128 × 1x128 and 1x128 × 1x128 pairs of Hopper's block
+    scaling (cuBLAS 12.9+, sm_90). Any other pair (128x128 × 128x128, or a row-wise operand beside a
+    block one), K not a multiple of 128 for blocks, or rows not multiples of 16, gives None: the
+    reference runs it."""
+    a, b = forms
+    (m, k), (n, k_b) = a.data.shape, b.data.shape
+    if k != k_b or m % 16 or n % 16 or k % 16 or not (a.data.is_contiguous() and b.data.is_contiguous()):
+        return None
+    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
+        return None  # no E5M2 × E5M2 tensor-core GEMM
+    product_dtype = torch.float32 if bias is not None else out_dtype
+    if a.block_cols is None and b.block_cols is None:
+        product = torch._scaled_mm(
+            a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv.reshape(1, n), out_dtype=product_dtype,
+            use_fast_accum=fast_accumulation,
+        )
+    elif a.block_cols == b.block_cols == 128 and (a.block_rows, b.block_rows) != (128, 128) and k % 128 == 0:
+        F = torch.nn.functional
+        product = F.scaled_mm(
+            a.data, b.data.t(), _hopper_block_scales(a), _BLOCK_SCALING[a.block_rows](), _hopper_block_scales(b),
+            _BLOCK_SCALING[b.block_rows](), output_dtype=product_dtype, use_fast_accum=fast_accumulation,
+        )
+    else:
+        return None
+    return _finish(product, bias, out_dtype) if bias is not None else product
+
+
+# Hopper's block scalings by the operand's block rows (its blocks are 128 wide along K).
+_BLOCK_SCALING = {
+    1: lambda: torch.nn.functional.ScalingType.BlockWise1x128,
+    128: lambda: torch.nn.functional.ScalingType.BlockWise128x128,
+}
+
+
+def _hopper_block_scales(operand) -> torch.Tensor:
+    """An operand's block scales in the layout cuBLAS reads on Hopper: 1x128 scales [R, K/128] with
+    the rows contiguous (column-major); 128x128 scales with K/128 padded to a multiple of 4 (zeros)
+    and given as the transposed view [L4, R/128] of the row-major [R/128, L4]."""
+    scales = operand.scale_inv
+    if operand.block_rows == 1:
+        return scales.t().contiguous().t()
+    padding = -scales.shape[1] % 4
+    if padding:
+        scales = torch.nn.functional.pad(scales, (0, padding))
+    return scales.t()
+
+
 @contextlib.contextmanager
 def _fp32_reductions():
     """cuBLAS sums bf16 products in fp32 even across split-K pieces (it may otherwise reduce those
@@ -240,6 +290,8 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("block_scaled_mm", "block_scaled_operand", _block_scaled_gemm_capable, _block_scaled_mm),
     # FP8 × FP8 with tensor scales runs on the FP8 tensor cores or on the reference, never on a third path.
     Backend("float8_scaled_mm", "fp8_tensorwise_operand", _fp8_gemm_capable, _float8_scaled_mm, exclusive=True),
+    # FP8 × FP8 with block scales: the FP8 tensor cores where cuBLAS takes the pair, else the reference.
+    Backend("float8_block_scaled_mm", "fp8_block_operand", _fp8_gemm_capable, _float8_block_scaled_mm, exclusive=True),
     Backend("dequantized_bf16_mm", "bf16_operand", _bf16_gemm_capable, _dequantized_bf16_mm),
 )
 

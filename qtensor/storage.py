@@ -147,6 +147,19 @@ class FP8TensorwiseOperand:
 
 
 @dataclass(frozen=True)
+class FP8BlockOperand:
+    """A storage as an operand of an FP8 GEMM with fp32 scales per block (`torch._scaled_mm`'s
+    row-wise scaling, and Hopper's 1x128 / 128x128 block scaling): `data` FP8 codes [R, K] with the
+    reduction dimension contiguous, `scale_inv` [ceil(R/block_rows), ceil(K/block_cols)] row-major
+    ([R, 1] for row-wise, `block_cols` None), the factors its products take."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block_rows: int
+    block_cols: int | None
+
+
+@dataclass(frozen=True)
 class BlockScaledOperand:
     """A storage as an operand of a GEMM that reads block scales in the tensor cores: `data` [R, K]
     (or [R, K/2] in a two-element dtype) with the reduction dimension contiguous, `scales` [R,
@@ -216,6 +229,11 @@ class Storage:
         """This storage as an operand of an FP8 GEMM with one scale per tensor, or None for a format
         without such a form. Asked for even where the device has no FP8 GEMM (gemm.py: an exclusive
         backend), so it must be cheap: the stored buffers, never a copy."""
+        return None
+
+    def fp8_block_operand(self) -> "FP8BlockOperand | None":
+        """This storage as an operand of an FP8 GEMM with fp32 scales per row or block, or None for a
+        format without such a form. Cheap, as `fp8_tensorwise_operand` (an exclusive backend)."""
         return None
 
     def block_scaled_operand(self) -> "BlockScaledOperand | None":

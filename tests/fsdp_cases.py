@@ -21,6 +21,7 @@ RECIPES = {
     "mxfp8": qtensor.recipes.mxfp8,
     "nvfp4": qtensor.recipes.nvfp4,
     "hybrid": qtensor.recipes.mxfp8_fwd_nvfp4_bwd,
+    "float8_rowwise": qtensor.recipes.float8_rowwise,
 }
 # (recipe, weights, reshard_after_forward)
 SCENARIOS = [(recipe, weights, True) for recipe in RECIPES for weights in ("dynamic", "quantized")] + [

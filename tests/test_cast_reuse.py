@@ -9,7 +9,7 @@ from torch import nn
 
 import qtensor
 
-STATELESS_RECIPES = ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+STATELESS_RECIPES = ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "float8_rowwise", "float8_blockwise"]
 
 
 def two_layers(recipe, seed=0):

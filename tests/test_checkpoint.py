@@ -349,6 +349,8 @@ RECIPES = {
     "nvfp4": qtensor.recipes.nvfp4,
     "float8_delayed": qtensor.recipes.float8_delayed,
     "hybrid": qtensor.recipes.mxfp8_fwd_nvfp4_bwd,
+    "float8_rowwise": qtensor.recipes.float8_rowwise,
+    "float8_blockwise": qtensor.recipes.float8_blockwise,
 }
 
 

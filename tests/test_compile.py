@@ -46,7 +46,7 @@ import copy  # noqa: E402
 
 from torch import nn  # noqa: E402
 
-STATELESS_RECIPES = ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+STATELESS_RECIPES = ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "float8_rowwise", "float8_blockwise"]
 RECIPES = [*STATELESS_RECIPES, "float8_delayed"]
 DELAYED = ["float8_delayed", "hybrid_delayed"]
 
@@ -210,6 +210,8 @@ CUSTOM_OPS = {
     "nvfp4": {"qtensor.nvfp4_cast", "qtensor.nvfp4_amaxes", "qtensor.nvfp4_dequantize", "qtensor.scale_output"},
     "mxfp8_fwd_nvfp4_bwd": {"qtensor.hybrid_cast", "qtensor.nvfp4_cast", "qtensor.scale_output"},
     "float8_delayed": {"qtensor.float8_record_amax"},
+    "float8_rowwise": set(),
+    "float8_blockwise": set(),
 }
 TRACED_OPS = {
     "qtensor.finite_amax", "qtensor.amax_partials", "qtensor.float8_cast", "qtensor.float8_cast_at_scale",

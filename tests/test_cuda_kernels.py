@@ -598,3 +598,57 @@ def test_direct_launches_equal_launches_through_triton():
         through_triton = [raw(quantizer.quantize(x)) for x in inputs * 2]
     for a, b in zip(direct, through_triton):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- FP8 with block scales (row-wise, 1x128, 128x128) on the FP8 tensor cores ------------------------
+BLOCK_PAIRS = {
+    # recipe: (activation and gradient quantizer, weight quantizer)
+    "float8_rowwise": (lambda: qtensor.Float8BlockQuantizer(block_rows=1, block_cols=None, pow2_scales=True),) * 2,
+    "float8_blockwise": (lambda: qtensor.Float8BlockQuantizer(block_rows=1, block_cols=128),
+                         lambda: qtensor.Float8BlockQuantizer(block_rows=128, block_cols=128)),
+}
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("recipe", list(BLOCK_PAIRS))
+def test_block_scaled_fp8_gemms_run_on_the_fp8_tensor_cores_within_the_bound(recipe, out_dtype):
+    """fprop (X·Wᵀ), dgrad (dY·W) and wgrad (dYᵀ·X) of block-scaled operands on `_scaled_mm`'s
+    row-wise or block scaling, each within the split accumulator's bound of the fp64 product of the
+    operands' exact values (docs/numerics.md, FP8 GEMMs)."""
+    activation, weight = BLOCK_PAIRS[recipe]
+    x, w, dy = (q().quantize(t) for q, t in ((activation, varied(256, 512, 1)), (weight, varied(384, 512, 2)), (activation, varied(256, 384, 3))))
+    values = {name: t.dequantize(torch.float32, d) for name, t, d in [
+        ("x", x, "rowwise"), ("x_col", x, "columnwise"), ("w", w, "rowwise"), ("w_col", w, "columnwise"),
+        ("dy", dy, "rowwise"), ("dy_col", dy, "columnwise")]}
+    gemm.backend_counts(reset=True)
+    y, dx, dw = gemm.fprop(x, w, None, out_dtype), gemm.dgrad(dy, w, out_dtype), gemm.wgrad(dy, x, out_dtype)
+    assert gemm.backend_counts() == {"float8_block_scaled_mm": 3}
+    assert_close_to_reference(y, values["x"], values["w"].t(), out_dtype)
+    assert_close_to_reference(dx, values["dy"], values["w_col"], out_dtype)
+    assert_close_to_reference(dw, values["dy_col"].t(), values["x_col"], out_dtype)
+
+
+@pytest.mark.parametrize("recipe", ["float8_rowwise", "float8_rowwise_gw_hp", "float8_blockwise"])
+def test_the_block_scaled_recipes_train_a_layer_on_the_gpu_like_the_cpu_reference(recipe):
+    """A training step of a bf16 layer under autocast: every GEMM on the FP8 tensor cores (the
+    weight gradient of gw_hp on the bf16 ones), the gradients within the FP8 GEMMs' bound of the same
+    step on the CPU reference."""
+    torch.manual_seed(0)
+    layers = {}
+    for device in ("cpu", "cuda"):
+        layer = nn.Linear(512, 256, device=device)
+        qtensor.quantize_(layer, getattr(qtensor.recipes, recipe)(), strict=True)
+        layers[device] = layer
+    layers["cuda"].load_state_dict(layers["cpu"].state_dict())
+    x = varied(256, 512, 4)
+    grads = {}
+    gemm.backend_counts(reset=True)
+    for device, layer in layers.items():
+        xd = x.to(device).requires_grad_()
+        layer(xd).square().sum().backward()
+        grads[device] = (xd.grad, layer.weight.grad)
+    counts = gemm.backend_counts()
+    assert counts.get("float8_block_scaled_mm") == (2 if recipe.endswith("gw_hp") else 3), counts
+    for got, expected in zip(grads["cuda"], grads["cpu"]):
+        error = ((got.cpu() - expected).norm() / expected.norm()).item()
+        assert error < 2.0**-7, error

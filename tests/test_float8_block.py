@@ -187,3 +187,47 @@ def test_the_hybrids_take_block_scaled_copies():
     layer(torch.randn(16, 256)).square().mean().backward()
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
     assert np.isfinite(layer.weight.grad.numpy()).all()
+
+
+# ---- through FSDP2 and tensor parallelism (block_cases.py, 2 gloo ranks) -----------------------------
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import workers
+
+    out = tmp_path_factory.mktemp("blocks") / "results.pt"
+    workers.launch("block_cases.py", out, world=2, timeout=300)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", ["float8_blockwise", "float8_rowwise"])
+def test_fsdp2_trains_block_scaled_weights_like_one_process(distributed, recipe, weights):
+    """Shards on the 128-row tiles (block-wise), or each column's scale reduced over the ranks
+    (row-wise weights' columnwise copies): the shards hold exactly the one-process tensor's bytes."""
+    import block_cases
+
+    parallel = distributed[("fsdp2", recipe, weights)]
+    single = block_cases.train(block_cases.build(recipe, weights), weights)
+    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    for name, weight in single["weights"].items():
+        torch.testing.assert_close(parallel["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tensor_parallelism_splits_block_wise_layers_and_refuses_column_splits_of_row_wise_ones(distributed):
+    import block_cases
+
+    single = block_cases.train(block_cases.build("float8_blockwise", "dynamic"), "dynamic")
+    parallel = distributed[("tp", "float8_blockwise")]
+    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    refused = distributed[("tp", "float8_rowwise")]
+    # The column-parallel layer's output gradient is split along its columns (row-wise scales span them).
+    assert "layer '0'" in refused and "output gradient" in refused and "whole rows" in refused, refused
+
+
+def test_an_fsdp2_shard_that_cuts_a_128_row_tile_raises_naming_the_parameter(distributed):
+    message = distributed["cut"]
+    assert "2.weight" in message and "128" in message, message

@@ -23,7 +23,7 @@ from ..numerics import (
     sharded_quantization,
 )
 from ..quantizer import Quantizer
-from ..storage import UNDECLARED, Buffer, Storage
+from ..storage import UNDECLARED, Buffer, FP8BlockOperand, Storage
 from ..tensor import QuantizedTensor
 from .float8 import quantize_per_tensor
 
@@ -110,6 +110,10 @@ class Float8BlockStorage(Storage):
         # Square blocks: the other copy is the same blocks transposed (the amax of a block does not
         # depend on its orientation), so it is rebuilt exactly from this one.
         return self.block_rows == self.block_cols
+
+    def fp8_block_operand(self) -> FP8BlockOperand:
+        # Either copy is stored with its GEMM's reduction dimension last.
+        return FP8BlockOperand(self.data, self.scale_inv, self.block_rows, self.block_cols)
 
     def dequantize(self) -> torch.Tensor:
         values = dequantize_blocks(self.data, self.scale_inv, self.block_rows, self.block_cols)
