@@ -52,6 +52,8 @@ TABLE: dict[str, tuple[str, str]] = {
     "nvfp4.dequantize": ("qtensor_kernels.nvfp4", "dequantize"),  # formats.nvfp4.dequantize_row_blocks
     # formats.hybrid: the MXFP8 rowwise and NVFP4 columnwise children's casts, from one read
     "hybrid.cast": ("qtensor_kernels.hybrid", "cast"),
+    # formats.float8_block: quantize_blocks of both copies, from one read
+    "float8_block.cast": ("qtensor_kernels.float8_block", "cast"),
     "gemm.scale_output": ("qtensor_kernels.gemm", "scale_output"),  # gemm._scale_and_finish
 }
 

@@ -652,3 +652,31 @@ def test_the_block_scaled_recipes_train_a_layer_on_the_gpu_like_the_cpu_referenc
     for got, expected in zip(grads["cuda"], grads["cpu"]):
         error = ((got.cpu() - expected).norm() / expected.norm()).item()
         assert error < 2.0**-7, error
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 130), (128, 128), (17, 700)])
+@pytest.mark.parametrize("options", [
+    dict(block_rows=1, block_cols=None, pow2_scales=True), dict(block_rows=1, block_cols=None, amax_epsilon=1e-3),
+    dict(block_rows=1, block_cols=128), dict(block_rows=1, block_cols=128, fp8_dtype=torch.float8_e5m2, pow2_scales=True),
+    dict(block_rows=128, block_cols=128), dict(block_rows=128, block_cols=128, fp8_dtype=torch.float8_e5m2),
+], ids=["rowwise_pow2", "rowwise_eps", "1x128", "1x128_e5m2_pow2", "128x128", "128x128_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_float8_block_cast_kernel_writes_the_references_bytes(dtype, options, shape):
+    """Both copies from one read, bit for bit the pure-torch reference: codes where the input is
+    finite (NaN's code too), scales, on data with NaN, ±Inf, zero blocks and partial blocks."""
+    x = varied(*shape, 7)
+    x[0, :64] = 0.0
+    x[shape[0] // 2, 3], x[-1, -1], x[1, shape[1] // 2] = float("nan"), float("inf"), -float("inf")
+    x = x.to(dtype)
+    quantizer = qtensor.Float8BlockQuantizer(**options)
+    fast = quantizer.quantize(x)
+    with kernels.reference_kernels():
+        reference = quantizer.quantize(x)
+    for direction in ("rowwise", "columnwise"):
+        got, expected = fast.storage_for(direction), reference.storage_for(direction)
+        assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8)), direction
+        assert torch.equal(got.scale_inv, expected.scale_inv), direction
+    for rowwise, columnwise in ((True, False), (False, True)):
+        one = quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise)
+        direction = "rowwise" if rowwise else "columnwise"
+        assert torch.equal(one.storage_for(direction).data.view(torch.uint8), fast.storage_for(direction).data.view(torch.uint8))

@@ -22,6 +22,7 @@ from ..numerics import (
     scale_from_amax,
     sharded_quantization,
 )
+from ..kernels import lookup
 from ..quantizer import Quantizer
 from ..storage import UNDECLARED, Buffer, FP8BlockOperand, Storage
 from ..tensor import QuantizedTensor
@@ -180,6 +181,15 @@ class Float8BlockQuantizer(Quantizer):
         )
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
+        kernel = lookup("float8_block.cast", x)
+        if kernel is not None and x.numel():  # both copies from one read of each tile
+            reduce = reduce_amax if sharded_quantization() else None
+            row, col = kernel(x, self.fp8_dtype, self.block_rows, self.block_cols, self.pow2_scales, self.amax_epsilon, rowwise, columnwise, reduce)
+            storage = lambda direction, buffers: Float8BlockStorage(
+                direction=direction, rows=x.shape[0], cols=x.shape[1], fp8_dtype=self.fp8_dtype, block_rows=self.block_rows,
+                block_cols=self.block_cols, data=buffers[0], scale_inv=buffers[1],
+            )
+            return (storage("rowwise", row) if rowwise else None), (storage("columnwise", col) if columnwise else None)
         # docs/numerics.md: each copy from the input, in its own orientation (square blocks give the
         # same codes either way, so the columnwise copy is then the rowwise one transposed).
         x = x.float()

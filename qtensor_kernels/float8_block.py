@@ -1,0 +1,116 @@
+"""Triton kernel of FP8 with block scales, bit-identical to the pure-torch reference in
+qtensor/formats/float8_block.py (docs/numerics.md, Float8 with block scales).
+
+`cast(x, fp8_dtype, block_rows, block_cols, ...)`: one read of each tile of `x` writes both copies.
+- **Blocks** (1x128, 128x128): each 128x128 tile holds whole blocks of both copies, and the kernel
+  finds their amaxes in the tile:
+  - 1x128: each row's 128 values for the rowwise copy, each column's 128 for the columnwise one;
+  - 128x128: the whole tile for both.
+- **Row-wise** (`block_cols=None`): a scale spans a whole row or column, so the scales are computed
+  before the kernel, by the reference's own functions, from the row and column amaxes (which a
+  sharded tensor reduces over its ranks first). The kernel multiplies and rounds.
+
+The columnwise codes are stored transposed, `[N, M]`, the layout the FP8 GEMMs read.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from qtensor.formats.float8_block import Float8BlockStorage, block_scales
+from qtensor.numerics import exact_quotient
+from .float8 import _codes, _finite_magnitude, _like, _scale_from_amax
+from .launch import launch
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+VECTOR, TILE, GIVEN = 0, 1, 2  # the kernel's modes: 1x128 blocks, 128x128 tiles, scales given per row and column
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, row_ptr, row_scale_inv_ptr, col_ptr, col_scale_inv_ptr, row_scale_ptr, col_scale_ptr,
+    M, N, stride_m, epsilon,
+    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, MODE: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside_m, inside_n = offs_m < M, offs_n < N
+    mask = inside_m[:, None] & inside_n[None, :]
+    # Partial blocks behave as zero-padded (docs/numerics.md, Float8 with block scales).
+    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if MODE == 0:  # 1x128: a scale per row of the tile (rowwise), per column (columnwise)
+        magnitude = _finite_magnitude(x)
+        if ROWWISE:
+            scale = _scale_from_amax(tl.max(magnitude, axis=1), epsilon, FP8_MAX, 1.0, POW2)
+            tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], _codes(x, scale[:, None], FP8_MAX, E5M2), mask=mask)
+            tl.store(row_scale_inv_ptr + offs_m * tl.cdiv(N, BLOCK_N) + pid_n, tl.div_rn(_like(1.0, scale), scale), mask=inside_m)
+        if COLUMNWISE:
+            scale = _scale_from_amax(tl.max(magnitude, axis=0), epsilon, FP8_MAX, 1.0, POW2)
+            codes = _codes(x, scale[None, :], FP8_MAX, E5M2)
+            tl.store(col_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(codes), mask=tl.trans(mask))
+            tl.store(col_scale_inv_ptr + offs_n * tl.cdiv(M, BLOCK_M) + pid_m, tl.div_rn(_like(1.0, scale), scale), mask=inside_n)
+    elif MODE == 1:  # 128x128: one scale for the tile, the same codes in both copies
+        scale = _scale_from_amax(tl.max(tl.max(_finite_magnitude(x), axis=1), axis=0), epsilon, FP8_MAX, 1.0, POW2)
+        codes = _codes(x, scale, FP8_MAX, E5M2)
+        scale_inv = tl.div_rn(_like(1.0, scale), scale)
+        if ROWWISE:
+            tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], codes, mask=mask)
+            tl.store(row_scale_inv_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, scale_inv)
+        if COLUMNWISE:
+            tl.store(col_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(codes), mask=tl.trans(mask))
+            tl.store(col_scale_inv_ptr + pid_n * tl.cdiv(M, BLOCK_M) + pid_m, scale_inv)
+    else:  # row-wise: the scales of each row and column, given
+        if ROWWISE:
+            scale = tl.load(row_scale_ptr + offs_m, mask=inside_m, other=1.0)
+            tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], _codes(x, scale[:, None], FP8_MAX, E5M2), mask=mask)
+        if COLUMNWISE:
+            scale = tl.load(col_scale_ptr + offs_n, mask=inside_n, other=1.0)
+            codes = _codes(x, scale[None, :], FP8_MAX, E5M2)
+            tl.store(col_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(codes), mask=tl.trans(mask))
+
+
+def _finite_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """formats.float8_block.block_amax of whole rows (dim=1) or columns (dim=0)."""
+    magnitude = x.abs()
+    return torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax(dim=dim).float()
+
+
+def cast(x, fp8_dtype, block_rows, block_cols, pow2_scales, amax_epsilon, rowwise, columnwise, reduce_column_amax=None):
+    """((data, scale_inv) of the rowwise copy or None, the same of the columnwise copy or None), as
+    Float8BlockStorage.layout declares them, from one read of each tile of the 2-D `x`.
+    `reduce_column_amax`: applied to a row-wise columnwise copy's column amaxes (a shard's reduction
+    over its ranks) before its scales are taken."""
+    M, N = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    options = dict(fp8_dtype=fp8_dtype, block_rows=block_rows, block_cols=block_cols)
+    row = Float8BlockStorage.empty_buffers(("data", "scale_inv"), "rowwise", M, N, x.device, **options) if rowwise else None
+    col = Float8BlockStorage.empty_buffers(("data", "scale_inv"), "columnwise", M, N, x.device, **options) if columnwise else None
+    row_scale = col_scale = None
+    if block_cols is None:  # row-wise: the scales first, as the reference takes them
+        mode = GIVEN
+        if rowwise:
+            row_scale = block_scales(_finite_amax(x, 1), fp8_dtype, pow2_scales, amax_epsilon)
+            row[1].copy_(exact_quotient(1.0, row_scale).reshape(M, 1))
+        if columnwise:
+            amax = _finite_amax(x, 0)
+            if reduce_column_amax is not None:
+                amax = reduce_column_amax(amax)
+            col_scale = block_scales(amax, fp8_dtype, pow2_scales, amax_epsilon)
+            col[1].copy_(exact_quotient(1.0, col_scale).reshape(N, 1))
+    else:
+        mode = VECTOR if block_rows == 1 else TILE
+    if M and N:
+        some = (row or col)
+        launch(
+            _cast_kernel, (triton.cdiv(M, 128), triton.cdiv(N, 128)),
+            x, *(b if i else b.view(torch.uint8) for i, b in enumerate(row or some)),
+            *(b if i else b.view(torch.uint8) for i, b in enumerate(col or some)),
+            row_scale if row_scale is not None else some[1], col_scale if col_scale is not None else some[1],
+            M, N, x.stride(0), float(amax_epsilon),
+            FP8_MAX=_FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2, POW2=pow2_scales, MODE=mode,
+            ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=128, BLOCK_N=128, num_warps=8,
+        )
+    return row, col
