@@ -355,7 +355,10 @@ def _nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bi
         # The device from A's storage (a wrapper's .device / .is_meta would go through __torch_function__).
         a_storage = a.storage_for(a_direction)
         device = a_storage.device
-        fast = None if device.type == "meta" else _fast_product(a_storage, b.storage_for(b_direction), device, bias, out_dtype, fast_accumulation)
+        b_storage = b.storage_for(b_direction)
+        fast = None if device.type == "meta" else _fast_product(
+            a_storage.oriented(a_direction), b_storage.oriented(b_direction), device, bias, out_dtype, fast_accumulation
+        )
         if fast is not None:
             name, product = fast
             _count(name)

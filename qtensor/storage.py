@@ -248,6 +248,12 @@ class Storage:
         one cancels in the product)."""
         return None
 
+    def oriented(self, direction: str) -> "Storage":
+        """This storage as the `direction` operand of a GEMM. A storage that serves both directions
+        (Identity) gives an object whose operand forms have that direction's reduction dimension
+        last; any other storage is already one direction's and gives itself."""
+        return self
+
     def to_direction(self, direction: str) -> "Storage | None":
         """This storage re-laid out for the other direction, or None when the format cannot."""
         return self if direction == self.direction else None

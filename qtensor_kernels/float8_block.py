@@ -71,10 +71,34 @@ def _cast_kernel(
             tl.store(col_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(codes), mask=tl.trans(mask))
 
 
-def _finite_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """formats.float8_block.block_amax of whole rows (dim=1) or columns (dim=0)."""
-    magnitude = x.abs()
-    return torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax(dim=dim).float()
+@triton.jit
+def _amax_kernel(x_ptr, row_part_ptr, col_part_ptr, M, N, stride_m, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each tile's finite amax of each of its rows (row_part [M, tiles along N]) and of each of its
+    columns (col_part [tiles along M, N])."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside_m, inside_n = offs_m < M, offs_n < N
+    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=inside_m[:, None] & inside_n[None, :], other=0.0)
+    magnitude = _finite_magnitude(x.to(tl.float32))
+    if ROWS:
+        tl.store(row_part_ptr + offs_m * tl.num_programs(1) + pid_n, tl.max(magnitude, axis=1), mask=inside_m)
+    if COLUMNS:
+        tl.store(col_part_ptr + pid_m * N + offs_n, tl.max(magnitude, axis=0), mask=inside_n)
+
+
+def _row_and_column_amaxes(x: torch.Tensor, rows: bool, columns: bool):
+    """(the finite amax of each row or None, of each column or None) of the 2-D `x`, from one read:
+    formats.float8_block.block_amax of whole rows and of whole columns."""
+    M, N = x.shape
+    grid = (triton.cdiv(M, 128), triton.cdiv(N, 128))
+    row_part = torch.empty((M, grid[1]), dtype=torch.float32, device=x.device) if rows else None
+    col_part = torch.empty((grid[0], N), dtype=torch.float32, device=x.device) if columns else None
+    some = row_part if rows else col_part
+    launch(_amax_kernel, grid, x, row_part if rows else some, col_part if columns else some, M, N, x.stride(0),
+           ROWS=rows, COLUMNS=columns, BLOCK_M=128, BLOCK_N=128, num_warps=8)
+    return (row_part.amax(dim=1) if rows else None), (col_part.amax(dim=0) if columns else None)
 
 
 def cast(x, fp8_dtype, block_rows, block_cols, pow2_scales, amax_epsilon, rowwise, columnwise, reduce_column_amax=None):
@@ -91,11 +115,11 @@ def cast(x, fp8_dtype, block_rows, block_cols, pow2_scales, amax_epsilon, rowwis
     row_scale = col_scale = None
     if block_cols is None:  # row-wise: the scales first, as the reference takes them
         mode = GIVEN
+        row_amax, amax = _row_and_column_amaxes(x, rowwise, columnwise)
         if rowwise:
-            row_scale = block_scales(_finite_amax(x, 1), fp8_dtype, pow2_scales, amax_epsilon)
+            row_scale = block_scales(row_amax, fp8_dtype, pow2_scales, amax_epsilon)
             row[1].copy_(exact_quotient(1.0, row_scale).reshape(M, 1))
         if columnwise:
-            amax = _finite_amax(x, 0)
             if reduce_column_amax is not None:
                 amax = reduce_column_amax(amax)
             col_scale = block_scales(amax, fp8_dtype, pow2_scales, amax_epsilon)

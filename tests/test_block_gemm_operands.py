@@ -160,6 +160,7 @@ QUANTIZERS = {
     "nvfp4_rht": lambda: qtensor.NVFP4Quantizer(rht=True),
     "mxfp8_fwd_nvfp4_bwd": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer()),
     "identity": lambda: qtensor.IdentityQuantizer(torch.bfloat16),
+    "identity_fp32": lambda: qtensor.IdentityQuantizer(),
 }
 CPU, AMPERE, HOPPER, BLACKWELL = None, (8, 0), (9, 0), (10, 0)
 MKN = (64, 128, 32)
@@ -178,7 +179,9 @@ SELECTION = [
     (HOPPER, "mxfp8_fwd_nvfp4_bwd", "mxfp8_fwd_nvfp4_bwd", "dgrad", MKN, "dequantized_bf16_mm"),
     (HOPPER, "nvfp4_rht", "nvfp4_rht", "wgrad", MKN, "dequantized_bf16_mm"),  # the transform cancels
     (HOPPER, "nvfp4_rht", "nvfp4", "wgrad", MKN, "reference"),  # one transformed copy, one not
-    (HOPPER, "identity", "float8", "fprop", MKN, "reference"),
+    (HOPPER, "identity", "float8", "fprop", MKN, "dequantized_bf16_mm"),  # bf16 values are their own bf16 operand
+    (HOPPER, "identity", "identity", "wgrad", MKN, "dequantized_bf16_mm"),  # float8_rowwise_gw_hp's weight gradient
+    (HOPPER, "identity_fp32", "identity_fp32", "wgrad", MKN, "reference"),  # fp32 values bf16 cannot hold
     (BLACKWELL, "mxfp8", "mxfp8", "wgrad", MKN, "block_scaled_mm"),
     (BLACKWELL, "nvfp4", "nvfp4", "fprop", MKN, "block_scaled_mm"),
     (BLACKWELL, "mxfp8_fwd_nvfp4_bwd", "mxfp8_fwd_nvfp4_bwd", "fprop", MKN, "block_scaled_mm"),
@@ -214,7 +217,8 @@ def test_the_backend_of_a_pair_follows_the_operand_forms_its_storages_offer(capa
         mock.patch.object(torch.nn.functional, "scaled_mm", zeros_product),
         mock.patch.object(torch, "mm", zeros_product),
     ):
-        fast = gemm._fast_product(a_tensor.storage_for(a_direction), b_tensor.storage_for(b_direction), device, None, torch.float32, False)
+        a_storage, b_storage = a_tensor.storage_for(a_direction).oriented(a_direction), b_tensor.storage_for(b_direction).oriented(b_direction)
+        fast = gemm._fast_product(a_storage, b_storage, device, None, torch.float32, False)
     assert (fast[0] if fast else "reference") == expected
     if fast:
         assert fast[1].shape == (m if which != "wgrad" else n, n if which == "fprop" else k)

@@ -25,6 +25,35 @@ class IdentityStorage(Storage):
     def to_direction(self, direction: str) -> "IdentityStorage":
         return self
 
+    def oriented(self, direction: str) -> "IdentityOperand":
+        return IdentityOperand(self.data, direction)
+
+
+class IdentityOperand:
+    """An Identity storage as one direction's GEMM operand: bf16 values are their own exact bf16
+    operand (the rowwise copy as stored, the columnwise one transposed, reduction dimension last);
+    other dtypes, and every other form, have none (the reference multiplies them)."""
+
+    def __init__(self, data: torch.Tensor, direction: str):
+        self.data, self.direction = data, direction
+
+    def bf16_operand(self):
+        if self.data.dtype != torch.bfloat16:
+            return None
+        return (self.data if self.direction == "rowwise" else self.data.t()), None
+
+    def reduction_transform(self):
+        return None
+
+    def fp8_tensorwise_operand(self):
+        return None
+
+    def fp8_block_operand(self):
+        return None
+
+    def block_scaled_operand(self):
+        return None
+
 
 class IdentityTensor(QuantizedTensor):
     """A high-precision tensor behind the QuantizedTensor interface (a role left unquantized)."""
