@@ -113,6 +113,8 @@ def _float8_block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: t
         return None
     if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
         return None  # no E5M2 × E5M2 tensor-core GEMM
+    if not _hopper_block_scaling(a.data.device):
+        return None  # tested on Hopper only; cuBLAS takes these scalings on sm_90 with CUDA 12.9 and later
     product_dtype = torch.float32 if bias is not None else out_dtype
     if a.block_cols is None and b.block_cols is None:
         product = torch._scaled_mm(
@@ -128,6 +130,13 @@ def _float8_block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: t
     else:
         return None
     return _finish(product, bias, out_dtype) if bias is not None else product
+
+
+def _hopper_block_scaling(device: torch.device) -> bool:
+    """sm_90 with a CUDA 12.9 or later build: where torch's scaled GEMMs take the row-wise scaling
+    with an fp32 output and the 1x128 / 128x128 block scalings (torch raises elsewhere)."""
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return _capability(device.index) == (9, 0) and cuda >= (12, 9)
 
 
 # Hopper's block scalings by the operand's block rows (its blocks are 128 wide along K).

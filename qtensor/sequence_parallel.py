@@ -153,8 +153,9 @@ def input_operand(quantizer, x: QuantizedTensor, layer, *, columnwise: bool) -> 
     if columnwise and deferred_columnwise(x) is None:
         raise ValueError(
             f"layer {name!r}: its weight gradient needs the columnwise copy of its input, which "
-            "PrepareQuantizedModuleInput made for no gradient (it cast under torch.no_grad or for an input "
-            "that needs none). Run the block's forward with gradients enabled."
+            "PrepareQuantizedModuleInput made for no gradient: it cast under torch.no_grad, for a block whose "
+            "parameters need no gradient, or for one whose layers all override their backward. Run the block's "
+            "forward with gradients enabled."
         )
     return x.with_storages(x.rowwise, None, shape=fold_to_2d(x).shape)
 
@@ -177,11 +178,15 @@ class _GatherTokens(torch.autograd.Function):
         whole = local.with_storages(rowwise, None, shape=torch.Size(shape))
         if columnwise:
             _COLUMNWISE_LATER[whole.rowwise] = (layout, local.columnwise)
-        ctx.mesh, ctx.dim = mesh, dim
+        ctx.mesh, ctx.dim, ctx.layout = mesh, dim, layout
         return DTensor.from_local(whole, mesh, (Replicate(),), run_check=False)
 
     @staticmethod
     def backward(ctx, grad):
+        # Every projection's backward has run (their gradients are this one's input): the gathered
+        # columnwise copy is released even where a saved reference was never unpacked (a projection
+        # recomputed under activation checkpointing packs its references twice).
+        ctx.layout.columnwise, ctx.layout.users = None, 0
         # The projections' input gradients are partial sums (Partial): one reduce-scatter adds them.
         return grad.redistribute(ctx.mesh, (Shard(ctx.dim),)).to_local(), None, None, None, None
 
@@ -215,10 +220,18 @@ class PrepareQuantizedModuleInput(PrepareModuleInput):
             isinstance(input_layout, Shard) and isinstance(desired_layout, Replicate)
             and isinstance(input, torch.Tensor) and input.is_floating_point()
         )
-        if not gathers:
+        if gathers and isinstance(input, DTensor) and tuple(input.placements) != (input_layout,):
+            gathers = False  # not placed as input_layouts says: torch's style redistributes it as it is
+        if not gathers or input.numel() == 0:
             return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
         local = input.to_local() if isinstance(input, DTensor) else input
         dim = input_layout.dim % local.dim()
+        if isinstance(input, DTensor) and input.shape[dim] != local.shape[dim] * mesh.size():
+            raise ValueError(
+                f"{type(self).__name__}: the input's {input.shape[dim]} tokens are split unevenly over {mesh.size()} "
+                "ranks; a quantized all-gather takes equal shares. Use a sequence length divisible by the "
+                "tensor-parallel size, or PrepareModuleInput."
+            )
         if dim == local.dim() - 1:
             raise ValueError(
                 f"{type(self).__name__}: the input is sharded along its last dimension ({input_layout}); a quantized "
@@ -227,8 +240,11 @@ class PrepareQuantizedModuleInput(PrepareModuleInput):
         layer = self._layer()
         quantizer = layer.input
         self._check(layer, quantizer, local, dim, mesh.size())
-        columnwise = torch.is_grad_enabled() and layer.backward_override is None and any(
-            p.requires_grad for p in self._module().parameters()
+        # The columnwise copy, for the weight gradients of the layers below that quantize their backward.
+        module = self._module()
+        below = [linear for m in module.modules() for linear, _ in m.__dict__.get("_qtensor_layers", {}).values()]
+        columnwise = torch.is_grad_enabled() and any(linear.backward_override is None for linear in below) and any(
+            p.requires_grad for p in module.parameters()
         )
         gathered = _GatherTokens.apply(local, quantizer, mesh, dim, columnwise)
         return gathered.to_local() if self.use_local_output else gathered
@@ -317,6 +333,8 @@ class _ScatterTokens(torch.autograd.Function):
                 local = quantizer.quantize(grad2d, rowwise="rowwise" in ctx.directions, columnwise="columnwise" in ctx.directions)
             rebuilt, sent = _split_rebuilt(local, ctx.directions)
             sent_bytes = sum(b.nbytes for d in sent for b in local.storage_for(d).buffers.values())
+            if len(_GRADIENT_GATHER_PAYS) >= 1024:  # one entry per gradient shape: bounded, as storage's layout cache
+                _GRADIENT_GATHER_PAYS.clear()
             _GRADIENT_GATHER_PAYS[key] = sent_bytes < grad.numel() * grad.element_size()
         if not _GRADIENT_GATHER_PAYS[key]:
             whole = DTensor.from_local(grad, mesh, (Shard(dim),), run_check=False).redistribute(mesh, (Replicate(),))

@@ -120,7 +120,7 @@ class TensorParallelShard:
                     "would need every row's amax over all of them). Use another recipe for this layer, or keep it "
                     "out of quantize_ (filter_fn) or of parallelize_module."
                 )
-            if shard % block and shard < length:
+            if block is not None and shard % block and shard < length:
                 lines = ("rows", "columns")[axis]
                 raise ValueError(
                     f"layer {linear.name or '<root>'!r}: tensor parallelism over {size} ranks splits the {length} "
@@ -158,11 +158,24 @@ class TensorParallelShard:
         quantizer = linear.grad_output if linear.backward_override is None else None
         if quantizer is None or not y.requires_grad:
             return ()
-        run = math.prod(y.shape[dim:-1]) // self.mesh.size()
+        name, world = linear.name or "<root>", self.mesh.size()
+        if quantizer.state_buffers():
+            raise ValueError(
+                f"layer {name!r}: QuantizedRowwiseParallel casts each rank's share of the output gradient, and "
+                f"its {quantizer.describe()} quantizer keeps running state (delayed scaling) that a shard's cast "
+                "would write alone. Use RowwiseParallel for this layer, or a recipe with current scaling."
+            )
+        if y.shape[dim] % world:
+            raise ValueError(
+                f"layer {name!r}: QuantizedRowwiseParallel splits {y.shape[dim]} tokens unevenly over {world} ranks; "
+                "a quantized all-gather takes equal shares. Use a sequence length divisible by the tensor-parallel "
+                "size, or RowwiseParallel."
+            )
+        run = math.prod(y.shape[dim:-1]) // world
         block = quantizer.shard_block()[0]
         if run % block:
             raise ValueError(
-                f"layer {linear.name or '<root>'!r}: QuantizedRowwiseParallel gathers the output gradient of "
+                f"layer {name!r}: QuantizedRowwiseParallel gathers the output gradient of "
                 f"{run} rows per run from each of {self.mesh.size()} ranks, which cuts the {block}-row blocks of its "
                 f"{quantizer.describe()} quantization. Use a sequence length whose share per rank is a multiple "
                 f"of {block}, or RowwiseParallel."

@@ -162,8 +162,8 @@ def float8_block(x2d, direction="rowwise", block_rows=1, block_cols=128, fp8="e4
     x = np.asarray(x2d, F32)
     y = x if direction == "rowwise" else x.T
     rows, cols = y.shape
+    grid = (-(-rows // block_rows), -(-cols // block_cols) if block_cols else 1)  # row-wise: one block per row
     block_cols = block_cols or max(cols, 1)
-    grid = (-(-rows // block_rows), -(-cols // block_cols))
     codes = np.zeros((rows, cols), np.uint8)
     scale_inv = np.zeros(grid, F32)
     values = np.zeros((rows, cols), F32)

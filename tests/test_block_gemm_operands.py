@@ -161,6 +161,9 @@ QUANTIZERS = {
     "mxfp8_fwd_nvfp4_bwd": lambda: qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer()),
     "identity": lambda: qtensor.IdentityQuantizer(torch.bfloat16),
     "identity_fp32": lambda: qtensor.IdentityQuantizer(),
+    "float8_rowwise": lambda: qtensor.Float8BlockQuantizer(block_rows=1, block_cols=None),
+    "float8_1x128": lambda: qtensor.Float8BlockQuantizer(block_rows=1, block_cols=128),
+    "float8_128x128": lambda: qtensor.Float8BlockQuantizer(block_rows=128, block_cols=128),
 }
 CPU, AMPERE, HOPPER, BLACKWELL = None, (8, 0), (9, 0), (10, 0)
 MKN = (64, 128, 32)
@@ -190,6 +193,13 @@ SELECTION = [
     (BLACKWELL, "mxfp8", "mxfp8", "fprop", (64, 48, 32), "dequantized_bf16_mm"),  # K not a multiple of 32
     (BLACKWELL, "nvfp4_rht", "nvfp4_rht", "wgrad", MKN, "dequantized_bf16_mm"),
     (BLACKWELL, "float8", "float8", "dgrad", MKN, "float8_scaled_mm"),
+    (HOPPER, "float8_1x128", "float8_128x128", "fprop", MKN, "float8_block_scaled_mm"),
+    (HOPPER, "float8_1x128", "float8_1x128", "wgrad", (256, 128, 32), "float8_block_scaled_mm"),  # K = M, 128 blocks
+    (HOPPER, "float8_128x128", "float8_128x128", "fprop", MKN, "reference"),  # no 128x128 x 128x128 GEMM
+    (HOPPER, "float8_rowwise", "float8_rowwise", "dgrad", MKN, "float8_block_scaled_mm"),
+    (HOPPER, "float8_rowwise", "float8_1x128", "fprop", MKN, "reference"),  # row-wise beside blocks
+    (BLACKWELL, "float8_1x128", "float8_128x128", "fprop", MKN, "reference"),  # Hopper's scalings only
+    (AMPERE, "float8_rowwise", "float8_rowwise", "fprop", MKN, "reference"),
     (CPU, "float8", "float8", "fprop", MKN, "reference"),
     (CPU, "mxfp8", "mxfp8", "fprop", MKN, "reference"),
 ]
@@ -213,6 +223,7 @@ def test_the_backend_of_a_pair_follows_the_operand_forms_its_storages_offer(capa
     device = torch.device("cpu") if capability is None else torch.device("cuda", 0)
     with (
         mock.patch.object(gemm, "_capability", lambda index: capability),
+        mock.patch.object(torch.version, "cuda", "12.9"),  # the CPU build has none; Hopper's block scaling needs 12.9
         mock.patch.object(torch, "_scaled_mm", zeros_product),
         mock.patch.object(torch.nn.functional, "scaled_mm", zeros_product),
         mock.patch.object(torch, "mm", zeros_product),

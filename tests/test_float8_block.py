@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import oracle
-from cases import DTYPES, FP8_DTYPES, as_2d, dtype_id
+from cases import DTYPES, FP8_DTYPES, dtype_id
 import qtensor
 
 BLOCKS = {"rowwise": (1, None), "1x128": (1, 128), "128x128": (128, 128)}
@@ -17,7 +17,8 @@ SHAPES = {"varied": (300, 260), "special": (260, 300), "extremes": (200, 140), "
 
 def assert_matches_oracle(q, x, block, fp8, **options):
     for direction in ("rowwise", "columnwise"):
-        expected = oracle.float8_block(as_2d(x), direction, *block, fp8=fp8, **options)
+        rows = int(np.prod(x.shape[:-1]))  # as_2d's reshape(-1, 0) cannot take an empty row
+        expected = oracle.float8_block(oracle.as_f32(x).reshape(rows, x.shape[-1]), direction, *block, fp8=fp8, **options)
         storage = q.storage_for(direction)
         assert storage.data.dtype == FP8_DTYPES[fp8]
         oracle.assert_same_codes(storage.data, expected.codes, expected.code_mask, f"{direction} codes")
@@ -44,6 +45,22 @@ def test_block_scaling_options_match_oracle(inputs, kind, block, pow2_scales, am
     quantizer = qtensor.Float8BlockQuantizer(block_rows=BLOCKS[block][0], block_cols=BLOCKS[block][1],
                                              pow2_scales=pow2_scales, amax_epsilon=amax_epsilon)
     assert_matches_oracle(quantizer.quantize(x), x, BLOCKS[block], "e4m3", pow2_scales=pow2_scales, amax_epsilon=amax_epsilon)
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (256, 0), (0, 0), (5, 0)])
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_empty_tensors_quantize_to_the_layouts_shapes(block, shape):
+    """An empty batch (or an empty row) quantizes: as many scales as the layout declares, each 1
+    for a block with nothing in it (docs/numerics.md: a zero amax gives scale 1)."""
+    x = torch.randn(*shape)
+    q = qtensor.Float8BlockQuantizer(block_rows=BLOCKS[block][0], block_cols=BLOCKS[block][1]).quantize(x)
+    assert_matches_oracle(q, x, BLOCKS[block], "e4m3")
+    if shape[1]:  # an empty batch through a layer
+        layer = nn.Linear(shape[1], 8)
+        qtensor.quantize_(layer, qtensor.recipes.float8_blockwise() if block != "rowwise" else qtensor.recipes.float8_rowwise())
+        x = torch.randn(0, shape[1], requires_grad=True)
+        layer(x).sum().backward()
+        assert x.grad.shape == x.shape and torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
 
 
 def test_a_block_scale_is_set_by_its_own_block_alone():

@@ -160,6 +160,18 @@ def test_quantized_sequence_parallel_refuses_delayed_scaling_and_tokens_that_cut
     assert "16 tokens" in cut and "32-row blocks" in cut and "layers.0.attention.q" in cut, cut
 
 
+def test_a_gathered_columnwise_copy_is_released_under_activation_checkpointing(distributed):
+    """Recomputed projections pack their saved references twice; the gather's backward releases the
+    copy all the same (two blocks: an attention and an MLP gather each)."""
+    layouts = distributed["checkpointed_layouts"]
+    assert len(layouts) >= 4 and all(released for _, released in layouts), layouts
+
+
+def test_quantized_rowwise_parallel_refuses_a_gradient_quantizer_with_running_state(distributed):
+    message = distributed[("refused", "delayed_gradient")]
+    assert "running state" in message and "RowwiseParallel" in message and "layers.0.attention.o" in message, message
+
+
 def test_shard_blocks_follow_the_formats_blocks_and_leave_state_and_random_draws_alone():
     """docs/numerics.md: MXFP8 1x32 blocks in both directions, NVFP4 1x16 blocks (16x16 tiles), Float8 none."""
     role = qtensor.Role("linear", "grad_output", "layer")

@@ -264,6 +264,50 @@ def run_distributed(out_path: str) -> None:
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             model(x).float().square().mean().backward()
         results[("autocast_gathers", recipe)] = sequence_parallel_module.gather_stats()
+    # Activation checkpointing inside the attention blocks (the gathering hook outside the region): the
+    # projections' saved references are packed twice, and the gathered columnwise copy is still released.
+    from torch.utils.checkpoint import checkpoint
+
+    from qtensor import sequence_parallel as sp
+
+    layouts, init = [], sp.TokenLayout.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        layouts.append(self)
+
+    sp.TokenLayout.__init__ = recording
+    try:
+        model = parallelize(build("mxfp8", "dynamic"), mesh, "quantized")
+        for block in model.layers:
+            forward = block.attention.forward
+            block.attention.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+        x = next(batches())[0].chunk(world, dim=1)[rank]
+        model(x).square().mean().backward()
+        results["checkpointed_layouts"] = [(layout.users, layout.columnwise is None) for layout in layouts]
+    finally:
+        sp.TokenLayout.__init__ = init
+    # QuantizedRowwiseParallel refuses a gradient quantizer with running state (delayed scaling).
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, SequenceParallel, parallelize_module
+
+    from qtensor.tensor_parallel import QuantizedRowwiseParallel
+
+    model = build("float8_delayed", "dynamic")
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "mlp_norm": SequenceParallel(), "attention_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
+            "attention.o": QuantizedRowwiseParallel(output_layouts=Shard(1)),
+            "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": QuantizedRowwiseParallel(output_layouts=Shard(1)),
+        })
+    try:
+        model(next(batches())[0].chunk(world, dim=1)[rank]).square().mean().backward()
+        results[("refused", "delayed_gradient")] = "no error"
+    except ValueError as error:
+        results[("refused", "delayed_gradient")] = str(error)
     # What PrepareQuantizedModuleInput refuses: delayed-scaling inputs, and tokens that cut the blocks.
     for recipe, tokens in (("float8_delayed", TOKENS), ("mxfp8", TOKENS // 2)):
         model = parallelize(build(recipe, "dynamic"), mesh, "quantized")

@@ -36,11 +36,12 @@ BLOCK_COLS = (128, None)  # None: the whole row
 def _blocks(y: torch.Tensor, block_rows: int, block_cols: int | None) -> torch.Tensor:
     """fp32 `y` [R, C] zero-padded to whole blocks and viewed as [R/br, br, C/bc, bc]."""
     rows, cols = y.shape
-    block_cols = block_cols or max(cols, 1)
-    padded_rows, padded_cols = ceil_div(rows, block_rows) * block_rows, ceil_div(cols, block_cols) * block_cols
+    # A whole-row block is one block per row, even an empty one (one scale per row, as the layout says).
+    column_blocks, width = (ceil_div(cols, block_cols), block_cols) if block_cols else (1, cols)
+    padded_rows, padded_cols = ceil_div(rows, block_rows) * block_rows, column_blocks * width
     if (padded_rows, padded_cols) != (rows, cols):
         y = torch.nn.functional.pad(y, (0, padded_cols - cols, 0, padded_rows - rows))
-    return y.reshape(padded_rows // block_rows, block_rows, padded_cols // block_cols, block_cols)
+    return y.reshape(padded_rows // block_rows, block_rows, column_blocks, width)
 
 
 def block_amax(y: torch.Tensor, block_rows: int, block_cols: int | None) -> torch.Tensor:
@@ -63,7 +64,7 @@ def times_blocks(y: torch.Tensor, per_block: torch.Tensor, block_rows: int, bloc
     element-wise expansion of the factors), cut back to [R, C]."""
     rows, cols = y.shape
     blocks = _blocks(y, block_rows, block_cols) * per_block[:, None, :, None]
-    return blocks.reshape(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols]
+    return blocks.reshape(blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3])[:rows, :cols]
 
 
 def quantize_blocks(y: torch.Tensor, fp8_dtype, block_rows, block_cols, pow2_scales, amax_epsilon, amax=None):
