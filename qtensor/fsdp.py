@@ -27,8 +27,9 @@ import torch
 
 from .numerics import all_reduce_max, ceil_div, reduce_amax_over
 from .ops import mark_scales, scales_agreed
-from .storage import DIRECTIONS, Storage, _layout
-from .tensor import QuantizedTensor, rows_per_index
+from .packing import aligned as _aligned, row_buffers as _row_buffers, unpacked_rows
+from .storage import DIRECTIONS, Storage
+from .tensor import QuantizedTensor, rows_per_index, split_rebuilt as _split_rebuilt
 
 _PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -380,13 +381,6 @@ def _rows_per_index(shape) -> int:
     return rows_per_index(shape) if len(shape) > 1 else 1
 
 
-def _split_rebuilt(tensor: QuantizedTensor, directions) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(directions rebuilt locally after the gather, directions whose bytes are sent)."""
-    rebuilt = ("columnwise",) if "columnwise" in directions and _rebuilds_columnwise(tensor) else ()
-    sent = tuple(dict.fromkeys((("rowwise",) if rebuilt else ()) + tuple(d for d in directions if d not in rebuilt)))
-    return rebuilt, sent
-
-
 def _payload_bytes(tensor: QuantizedTensor, sent, shard_rows: int) -> int:
     total = 0
     for direction in sent:
@@ -395,37 +389,6 @@ def _payload_bytes(tensor: QuantizedTensor, sent, shard_rows: int) -> int:
             if not spec.tensor_wide:
                 total += _aligned(math.prod(spec.shape) * spec.dtype.itemsize)
     return total
-
-
-def _rebuilds_columnwise(tensor: QuantizedTensor) -> bool:
-    """Whether the columnwise copy is made from the rowwise one after the gather instead of sent."""
-    if tensor.columnwise is not None and tensor.columnwise is tensor.rowwise:
-        return True  # one storage serves both (Identity)
-    rowwise, columnwise = tensor.rowwise, tensor.columnwise
-    return rowwise is not None and rowwise.rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise)) and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
-
-
-def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int = 0) -> tuple[Storage, int]:
-    """(a storage like `template` of `rows` rows over the per-row buffers packed in the uint8 `raw`
-    from `offset` on, the offset after them): the inverse of packing `_row_buffers`, each at an
-    `_aligned` offset. Tensor-wide buffers are not sent: the template's are every rank's."""
-    buffers = {}
-    for spec in _layout(type(template), template.direction, rows, template.cols, template.options).values():
-        if spec.tensor_wide:
-            buffers[spec.name] = getattr(template, spec.name)
-            continue
-        nbytes = math.prod(spec.shape) * spec.dtype.itemsize
-        buffers[spec.name] = raw[offset : offset + nbytes].view(spec.dtype).reshape(spec.shape)
-        offset += _aligned(nbytes)
-    return template.rebuilt(buffers, rows=rows), offset
-
-
-def _row_buffers(storage: Storage) -> list[torch.Tensor]:
-    return [getattr(storage, spec.name) for spec in storage.buffer_specs() if not spec.tensor_wide]
-
-
-def _aligned(nbytes: int) -> int:
-    return ceil_div(nbytes, 8) * 8
 
 
 def _empty_like_rows(storage: Storage, rows: int, copies: dict) -> Storage:

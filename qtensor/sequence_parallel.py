@@ -38,8 +38,9 @@ import torch
 
 from .numerics import reduce_amax_over
 from .quantizer import fold_to_2d
+from .packing import aligned, row_buffers, unpacked_rows
 from .storage import Storage
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, split_rebuilt
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -85,15 +86,13 @@ class TokenLayout:
         """Every rank's `storages` (this rank's rows of each), in one all-gather of their per-row
         buffers as uint8 (tensor-wide ones are every rank's already), each joined in the whole
         tensor's row order."""
-        from .fsdp import _aligned, _row_buffers, unpacked_rows
-
-        buffers = [buffer for storage in storages for buffer in _row_buffers(storage)]
-        per_rank = sum(_aligned(buffer.nbytes) for buffer in buffers)
+        buffers = [buffer for storage in storages for buffer in row_buffers(storage)]
+        per_rank = sum(aligned(buffer.nbytes) for buffer in buffers)
         payload = torch.zeros(per_rank, dtype=torch.uint8, device=storages[0].device)
         offset = 0
         for buffer in buffers:
             payload[offset : offset + buffer.nbytes].copy_(buffer.reshape(-1).view(torch.uint8))
-            offset += _aligned(buffer.nbytes)
+            offset += aligned(buffer.nbytes)
         output = torch.empty(per_rank * self.world, dtype=torch.uint8, device=payload.device)
         _all_gather(output, payload, self.group)
         with _STATS_LOCK:
@@ -323,15 +322,13 @@ class _ScatterTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .fsdp import _split_rebuilt
-
         quantizer, mesh, dim = ctx.linear.grad_output, ctx.mesh, ctx.dim
         grad2d = fold_to_2d(grad)
         key = (quantizer, tuple(grad2d.shape), grad.dtype, ctx.directions)
         if _GRADIENT_GATHER_PAYS.get(key, True):
             with reduce_amax_over(mesh.get_group()):
                 local = quantizer.quantize(grad2d, rowwise="rowwise" in ctx.directions, columnwise="columnwise" in ctx.directions)
-            rebuilt, sent = _split_rebuilt(local, ctx.directions)
+            rebuilt, sent = split_rebuilt(local, ctx.directions)
             sent_bytes = sum(b.nbytes for d in sent for b in local.storage_for(d).buffers.values())
             if len(_GRADIENT_GATHER_PAYS) >= 1024:  # one entry per gradient shape: bounded, as storage's layout cache
                 _GRADIENT_GATHER_PAYS.clear()

@@ -491,3 +491,4 @@ class Storage:
     def __repr__(self) -> str:
         shapes = ", ".join(f"{n}={tuple(b.shape)}:{str(b.dtype).replace('torch.', '')}" for n, b in self.buffers.items())
         return f"{type(self).__name__}({self.direction}, [{self.rows}, {self.cols}], {shapes})"
+

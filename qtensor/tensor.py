@@ -430,3 +430,22 @@ def dequantized_fallback(func, args, kwargs):
 def rows_per_index(shape: torch.Size) -> int:
     """How many rows of the 2-D view one index along dim 0 covers."""
     return math.prod(shape[1:-1]) if len(shape) > 1 else 0
+
+
+def split_rebuilt(tensor: QuantizedTensor, directions) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(directions rebuilt locally after an all-gather, directions whose bytes are sent): a
+    columnwise copy the format rebuilds from the rowwise one (Float8's transpose) is never sent."""
+    rebuilt = ("columnwise",) if "columnwise" in directions and _rebuilds_columnwise(tensor) else ()
+    sent = tuple(dict.fromkeys((("rowwise",) if rebuilt else ()) + tuple(d for d in directions if d not in rebuilt)))
+    return rebuilt, sent
+
+
+def _rebuilds_columnwise(tensor: QuantizedTensor) -> bool:
+    """Whether the columnwise copy is made from the rowwise one after a gather instead of sent."""
+    if tensor.columnwise is not None and tensor.columnwise is tensor.rowwise:
+        return True  # one storage serves both (Identity)
+    rowwise, columnwise = tensor.rowwise, tensor.columnwise
+    return (
+        rowwise is not None and rowwise.rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise))
+        and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
+    )

@@ -147,11 +147,11 @@ def tangled(edges: dict[str, set[str]]) -> list[list[str]]:
 LOW_LAYERS = {
     "qtensor.tensor", "qtensor.plan", "qtensor.storage", "qtensor.quantizer", "qtensor.numerics", "qtensor.kernels", "qtensor.running_state",
 }
-FORMATS = ["float8", "mxfp8", "nvfp4", "identity", "hybrid"]
+FORMATS = ["float8", "float8_block", "mxfp8", "nvfp4", "identity", "hybrid"]
 HIGH_LAYERS = [
     "qtensor.linear", "qtensor.weight", "qtensor.fsdp", "qtensor.quantize", "qtensor.optim",
     "qtensor.routing", "qtensor.attention", "qtensor.checkpoint", "qtensor.dynamic_weight", "qtensor.layer",
-    "qtensor.layer_state",
+    "qtensor.layer_state", "qtensor.sequence_parallel", "qtensor.tensor_parallel",
 ]
 
 _LOADED = """
