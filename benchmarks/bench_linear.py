@@ -124,7 +124,7 @@ def kernel_table():
 class Attention(nn.Module):
     def __init__(self, dim=4096, heads=32, kv_heads=8):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.head_dim = dim // heads
         self.q_proj = nn.Linear(dim, dim, bias=False)
         self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
@@ -132,9 +132,8 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: a column-parallel projection (benchmarks/bench_tp.py) holds its rank's heads only.
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -31,26 +31,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 import qtensor
+from bench_linear import Attention
 from qtensor import sequence_parallel
 from qtensor.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
-
-
-class Attention(nn.Module):
-    """Llama-3-8B's grouped-query attention; heads counted from the projections' local width."""
-
-    def __init__(self, dim=4096, heads=32, kv_heads=8):
-        super().__init__()
-        self.head_dim = dim // heads
-        self.q_proj = nn.Linear(dim, dim, bias=False)
-        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):

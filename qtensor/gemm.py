@@ -77,6 +77,15 @@ def _finish(product: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.d
 # Each takes the two operands' forms in a list it may empty (a bf16 form is as large as its operand
 # and is freed before the epilogue), the bias, the output dtype and whether the caller allows the
 # tensor cores' fast (reduced-precision) accumulation; None where it cannot take them.
+def _fp8_pair_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `_scaled_mm` takes FP8 codes A [M, K] and B [N, K] (both with K contiguous): one K,
+    every dimension a multiple of 16, and not both E5M2 (no E5M2 × E5M2 tensor-core GEMM)."""
+    (m, k), (n, k_b) = a.shape, b.shape
+    if k != k_b or m % 16 or n % 16 or k % 16 or not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    return not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
+
+
 def _float8_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor | None:
     """FP8 × FP8 with one scale per tensor (`Storage.fp8_tensorwise_operand`) on the FP8 tensor
     cores: A row-major, B column-major (the transpose of an operand whose reduction dimension is
@@ -85,11 +94,8 @@ def _float8_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: torch.d
     all of K (docs/numerics.md, FP8 GEMMs), else they are promoted to fp32 chunk by chunk. None
     where `_scaled_mm` cannot take the shapes."""
     a, b = forms
-    (m, k), (n, k_b) = a.data.shape, b.data.shape
-    if k != k_b or m % 16 or n % 16 or k % 16 or not (a.data.is_contiguous() and b.data.is_contiguous()):
+    if not _fp8_pair_fits(a.data, b.data):
         return None
-    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
-        return None  # no E5M2 × E5M2 tensor-core GEMM
     fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
     product = torch._scaled_mm(
         a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias if fused_bias else None, out_dtype=out_dtype,
@@ -108,20 +114,17 @@ def _float8_block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: t
     block one), K not a multiple of 128 for blocks, or rows not multiples of 16, gives None: the
     reference runs it."""
     a, b = forms
-    (m, k), (n, k_b) = a.data.shape, b.data.shape
-    if k != k_b or m % 16 or n % 16 or k % 16 or not (a.data.is_contiguous() and b.data.is_contiguous()):
+    if not _fp8_pair_fits(a.data, b.data):
         return None
-    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
-        return None  # no E5M2 × E5M2 tensor-core GEMM
     if not _hopper_block_scaling(a.data.device):
         return None  # tested on Hopper only; cuBLAS takes these scalings on sm_90 with CUDA 12.9 and later
     product_dtype = torch.float32 if bias is not None else out_dtype
     if a.block_cols is None and b.block_cols is None:
         product = torch._scaled_mm(
-            a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv.reshape(1, n), out_dtype=product_dtype,
+            a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv.reshape(1, -1), out_dtype=product_dtype,
             use_fast_accum=fast_accumulation,
         )
-    elif a.block_cols == b.block_cols == 128 and (a.block_rows, b.block_rows) != (128, 128) and k % 128 == 0:
+    elif a.block_cols == b.block_cols == 128 and (a.block_rows, b.block_rows) != (128, 128) and a.data.shape[1] % 128 == 0:
         F = torch.nn.functional
         product = F.scaled_mm(
             a.data, b.data.t(), _hopper_block_scales(a), _BLOCK_SCALING[a.block_rows](), _hopper_block_scales(b),
@@ -135,8 +138,12 @@ def _float8_block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: t
 def _hopper_block_scaling(device: torch.device) -> bool:
     """sm_90 with a CUDA 12.9 or later build: where torch's scaled GEMMs take the row-wise scaling
     with an fp32 output and the 1x128 / 128x128 block scalings (torch raises elsewhere)."""
-    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
-    return _capability(device.index) == (9, 0) and cuda >= (12, 9)
+    return _capability(device.index) == (9, 0) and _cuda_version() >= (12, 9)
+
+
+def _cuda_version() -> tuple[int, ...]:
+    """The CUDA version torch was built with, (0, 0) for none."""
+    return tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
 
 
 # Hopper's block scalings by the operand's block rows (its blocks are 128 wide along K).

@@ -115,12 +115,7 @@ def float8_rowwise(
     rounded down to powers of two (`pow2_scales`). The input's and the gradient's columnwise copies
     (the weight gradient's operands) take one scale per column. `fprop_fast_accumulation` as in
     `float8_current`."""
-    row = lambda: Float8BlockQuantizer(fp8_dtype, block_rows=1, block_cols=None, pow2_scales=pow2_scales)
-    given = dict(fp8_dtype=fp8_dtype, pow2_scales=pow2_scales, fprop_fast_accumulation=fprop_fast_accumulation)
-    return ByTensorType(
-        "float8_rowwise", input=row, weight=row, grad_output=row,
-        options=_changed(_defaults(float8_rowwise), given), fprop_fast_accumulation=fprop_fast_accumulation,
-    )
+    return _rowwise(float8_rowwise, fp8_dtype, pow2_scales, fprop_fast_accumulation, high_precision_wgrad=False)
 
 
 def float8_rowwise_gw_hp(
@@ -129,12 +124,16 @@ def float8_rowwise_gw_hp(
     """`float8_rowwise` with the weight gradient in high precision: the input's and the gradient's
     columnwise copies, which only dW = dYᵀ·X reads, keep their high-precision values (Identity);
     the forward GEMM and the input gradient stay row-wise FP8."""
+    return _rowwise(float8_rowwise_gw_hp, fp8_dtype, pow2_scales, fprop_fast_accumulation, high_precision_wgrad=True)
+
+
+def _rowwise(recipe, fp8_dtype, pow2_scales: bool, fprop_fast_accumulation: bool, high_precision_wgrad: bool) -> ByTensorType:
     row = lambda: Float8BlockQuantizer(fp8_dtype, block_rows=1, block_cols=None, pow2_scales=pow2_scales)
-    high_precision_for_wgrad = lambda: HybridQuantizer(row(), IdentityQuantizer())
+    activation = (lambda: HybridQuantizer(row(), IdentityQuantizer())) if high_precision_wgrad else row
     given = dict(fp8_dtype=fp8_dtype, pow2_scales=pow2_scales, fprop_fast_accumulation=fprop_fast_accumulation)
     return ByTensorType(
-        "float8_rowwise_gw_hp", input=high_precision_for_wgrad, weight=row, grad_output=high_precision_for_wgrad,
-        options=_changed(_defaults(float8_rowwise_gw_hp), given), fprop_fast_accumulation=fprop_fast_accumulation,
+        recipe.__name__, input=activation, weight=row, grad_output=activation,
+        options=_changed(_defaults(recipe), given), fprop_fast_accumulation=fprop_fast_accumulation,
     )
 
 

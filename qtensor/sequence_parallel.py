@@ -274,14 +274,20 @@ class PrepareQuantizedModuleInput(PrepareModuleInput):
                 "from the layer's own running state, so one cast cannot serve every layer reading the input. "
                 "Use PrepareModuleInput, or a recipe with current scaling."
             )
-        run = math.prod(local.shape[dim:-1])
-        block = quantizer.shard_block()[0]
-        if run % block:
-            raise ValueError(
-                f"{type(self).__name__}: each of the {world} ranks holds {local.shape[dim]} tokens ({run} rows of each "
-                f"run of its 2-D view), which cuts the {block}-row blocks of layer {name!r}'s {quantizer.describe()} "
-                f"input quantization. Use a sequence length whose share per rank is a multiple of {block}, or PrepareModuleInput."
-            )
+        check_token_runs(quantizer, math.prod(local.shape[dim:-1]), world, name, "input", type(self).__name__, "PrepareModuleInput")
+
+
+def check_token_runs(quantizer, run: int, world: int, name: str, what: str, style: str, instead: str) -> None:
+    """ValueError unless `run`, the rows of one rank's run of tokens (its share of the sequence times
+    the dimensions between it and the last), holds whole row blocks of `quantizer`'s copies: a
+    quantized all-gather joins runs, and a block cut between two ranks' runs would be two casts."""
+    block = quantizer.shard_block()[0]
+    if run % block:
+        raise ValueError(
+            f"{style}: layer {name!r}'s {what} is gathered in runs of {run} rows from each of {world} ranks, which "
+            f"cuts the {block}-row blocks of its {quantizer.describe()} quantization. Use a sequence length whose "
+            f"share per rank is a multiple of {block}, or {instead}."
+        )
 
 
 def _all_gather(output: torch.Tensor, payload: torch.Tensor, group) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from .layer import LinearQuantizers
 from .linear import local_linear
-from .sequence_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel, scatter_tokens  # noqa: F401 (styles)
+from .sequence_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel, check_token_runs, scatter_tokens  # noqa: F401 (styles)
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -171,15 +171,7 @@ class TensorParallelShard:
                 "a quantized all-gather takes equal shares. Use a sequence length divisible by the tensor-parallel "
                 "size, or RowwiseParallel."
             )
-        run = math.prod(y.shape[dim:-1]) // world
-        block = quantizer.shard_block()[0]
-        if run % block:
-            raise ValueError(
-                f"layer {name!r}: QuantizedRowwiseParallel gathers the output gradient of "
-                f"{run} rows per run from each of {self.mesh.size()} ranks, which cuts the {block}-row blocks of its "
-                f"{quantizer.describe()} quantization. Use a sequence length whose share per rank is a multiple "
-                f"of {block}, or RowwiseParallel."
-            )
+        check_token_runs(quantizer, math.prod(y.shape[dim:-1]) // world, world, name, "output gradient", "QuantizedRowwiseParallel", "RowwiseParallel")
         return tuple(d for d, needed in (("rowwise", x_local.requires_grad), ("columnwise", weight.requires_grad)) if needed)
 
     def _replicated_parallel(self, x, weight, bias):

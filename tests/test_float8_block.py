@@ -203,7 +203,6 @@ def test_the_hybrids_take_block_scaled_copies():
     qtensor.quantize_(layer, lambda role: quantizer.copy() if role.tensor_type != "grad_output" else qtensor.NVFP4Quantizer(), strict=True)
     layer(torch.randn(16, 256)).square().mean().backward()
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
-    assert np.isfinite(layer.weight.grad.numpy()).all()
 
 
 # ---- through FSDP2 and tensor parallelism (block_cases.py, 2 gloo ranks) -----------------------------

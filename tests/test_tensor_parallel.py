@@ -157,7 +157,7 @@ def test_an_mxfp8_gradient_is_gathered_in_bf16_under_autocast_where_its_two_copi
 def test_quantized_sequence_parallel_refuses_delayed_scaling_and_tokens_that_cut_blocks(distributed):
     delayed, cut = distributed[("refused", "float8_delayed")], distributed[("refused", "mxfp8")]
     assert "layers.0.attention.q" in delayed and "delayed" in delayed and "PrepareModuleInput" in delayed, delayed
-    assert "16 tokens" in cut and "32-row blocks" in cut and "layers.0.attention.q" in cut, cut
+    assert "runs of 16 rows" in cut and "32-row blocks" in cut and "layers.0.attention.q" in cut, cut
 
 
 def test_a_gathered_columnwise_copy_is_released_under_activation_checkpointing(distributed):
