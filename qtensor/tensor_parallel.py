@@ -203,6 +203,12 @@ def enter(module: torch.nn.Module, args) -> None:
         parameter = module._parameters.get(attribute)
         if not is_distributed(parameter):
             continue
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"layer {linear.name or '<root>'!r}: torch.compile over a tensor-parallel quantized layer is not "
+                "supported; run the tensor-parallel model eagerly, or compile the blocks of a model that is not "
+                "tensor-parallel."
+            )
         placement = TensorParallelShard(parameter, linear, type(module).__name__, module.__dict__.get("_qtensor_scatter_tokens"))
         local = parameter.to_local()
         local.tensor_parallel = placement
@@ -211,5 +217,9 @@ def enter(module: torch.nn.Module, args) -> None:
 
 def leave(module: torch.nn.Module, args, output) -> None:
     """Forward hook (also when the forward raised): the parameter is the module's weight again."""
+    if torch.compiler.is_compiling():
+        # `enter` placed nothing (it refuses tensor parallelism when traced), and a traced
+        # `module.__dict__.pop` would break the graph and send the whole module back to eager.
+        return
     for attribute in module.__dict__.get("_qtensor_layers", {}):
         module.__dict__.pop(attribute, None)

@@ -160,8 +160,8 @@ def test_changing_a_quantizer_after_compiling_recompiles(recipe):
 INDUCTOR_CASES = [
     "float8_current",
     pytest.param("mxfp8", marks=pytest.mark.xfail(
-        torch.torch_version.TorchVersion(torch.__version__) < "2.13", strict=True,
-        reason="torch 2.11's inductor fails a tiling assertion on MXFP8's reference cast on the CPU (2.13 compiles it)",
+        torch.torch_version.TorchVersion(torch.__version__) < "2.13", strict=False,
+        reason="torch 2.11's inductor fails a tiling assertion on MXFP8's reference cast on some CPUs (2.13 compiles it)",
     )),
     "nvfp4",
     "mxfp8_fwd_nvfp4_bwd",
