@@ -1,6 +1,6 @@
 """Tile sizes of the Float8 cast kernel, and the bandwidth of each Float8 kernel alone.
 
-    python benchmarks/sweep_cast.py [--mxfp8 | --nvfp4 (with the hybrid)]
+    python benchmarks/sweep_cast.py [--mxfp8 | --nvfp4 (with the hybrid) | --float8-block]
 
 Each kernel is launched back to back (its host-side launch is shorter than the kernel, so the GPU
 never waits) and timed with CUDA events; bandwidth counts each input byte read once and each
@@ -67,6 +67,21 @@ def sweep_nvfp4(x, line):
         line(f"nvfp4 dequantize to bf16 (no tensor scale), tile {config}", ms, 2 * n + written // 2)
 
 
+def sweep_float8_block(x, line):
+    from qtensor_kernels import float8_block
+
+    n = x.numel()
+    for name, (block_rows, block_cols), mode in [("1x128", (1, 128), float8_block.VECTOR), ("128x128", (128, 128), float8_block.TILE),
+                                                 ("row-wise", (1, None), float8_block.GIVEN)]:
+        default = float8_block.WARPS[mode]
+        for warps in (4, 8, 16):
+            float8_block.WARPS[mode] = warps
+            ms = back_to_back_ms(lambda: float8_block.cast(x, torch.float8_e4m3fn, block_rows, block_cols, block_cols is None, 0.0, True, True))
+            # Bytes: the input read once, both copies' codes written once (the scales are < 1%).
+            line(f"float8 {name} cast both directions, {warps} warps{' (row-wise: 3 kernels)' if block_cols is None else ''}", ms, 4 * n)
+        float8_block.WARPS[mode] = default
+
+
 def main():
     x = varied(*SHAPE)
     n = x.numel()
@@ -83,6 +98,8 @@ def main():
         return sweep_mxfp8(x, line)
     if "--nvfp4" in sys.argv:
         return sweep_nvfp4(x, line)
+    if "--float8-block" in sys.argv:
+        return sweep_float8_block(x, line)
     for block, programs, warps in [(4096, 512, 8), (8192, 512, 8), (4096, 1024, 8), (2048, 1024, 4), (8192, 256, 8)]:
         kernels._AMAX_BLOCK = block
         partials = torch.empty(programs, device="cuda")

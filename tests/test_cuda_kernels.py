@@ -680,3 +680,19 @@ def test_the_float8_block_cast_kernel_writes_the_references_bytes(dtype, options
         one = quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise)
         direction = "rowwise" if rowwise else "columnwise"
         assert torch.equal(one.storage_for(direction).data.view(torch.uint8), fast.storage_for(direction).data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (256, 0), (0, 0)])
+@pytest.mark.parametrize("block", [(1, None), (1, 128), (128, 128)], ids=["rowwise", "1x128", "128x128"])
+def test_the_float8_block_cast_kernel_takes_empty_tensors_as_the_reference_does(block, shape):
+    """No kernel runs on zero elements, and an empty copy's scales (one per row of the layout, 1 for
+    an empty row) equal the reference's."""
+    quantizer = qtensor.Float8BlockQuantizer(block_rows=block[0], block_cols=block[1])
+    x = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+    fast = quantizer.quantize(x)
+    with kernels.reference_kernels():
+        reference = quantizer.quantize(x)
+    for direction in ("rowwise", "columnwise"):
+        got, expected = fast.storage_for(direction), reference.storage_for(direction)
+        assert got.data.shape == expected.data.shape and got.scale_inv.shape == expected.scale_inv.shape, direction
+        assert torch.equal(got.scale_inv, expected.scale_inv), direction
