@@ -22,7 +22,9 @@ then end in the mode). Each system: a fresh model from torch.manual_seed(0), 3 w
 (compiled systems compile there: their seconds are printed), then --steps steps each between
 torch.cuda.synchronize() calls; tokens/s of the median step; peak memory over the timed steps.
 Rows print as they are measured and are appended to --csv; ratios to a baseline this run did not
-measure come from the CSV's latest row for the same device (marked *).
+measure come from the CSV's latest row for the same device (marked *). "x torchao" compares each
+system with torchao's Float8 of the same scaling, compiled: "torchao rowwise compiled" for the
+row-wise recipes, "torchao tensorwise compiled" for the others.
 """
 
 import argparse
@@ -86,7 +88,7 @@ def prepare(model, system, keep):
 def systems_for(name, args, have_torchao):
     """The systems run on one model, baselines first (so that each row prints with its ratios)."""
     if name == "linear":  # bf16 compiled against each recipe eager, compiled and with CUDA graphs
-        suffixes, torchao = ("", " compiled", " compiled reduce-overhead"), ["torchao tensorwise compiled"]
+        suffixes, torchao = ("", " compiled", " compiled reduce-overhead"), [f"torchao {g} compiled" for g in ("tensorwise", "rowwise")]
     else:
         suffixes = ("", " compiled" + (f" {args.mode}" if args.mode else ""))
         torchao = [f"torchao {g}{suffixes[1]}" for g in ("tensorwise", "rowwise")]
@@ -167,10 +169,16 @@ def line(system, row):
     return f"{system:<44}{row['tokens_per_s']:>12,.0f}{row['step_ms']:>10.2f}{ratios}{row['peak_gib']:>10.2f}{row['warmup_s']:>11.1f}  {row['note']}"
 
 
+def torchao_twin(system, compiled):
+    """The torchao system a qtensor system is compared with: torchao's Float8 of the same scaling
+    (rowwise for the row-wise recipes, tensorwise for the others), compiled."""
+    return f"torchao {'rowwise' if system.startswith('float8_rowwise') else 'tensorwise'} {compiled}"
+
+
 def run_model(name, args, have_torchao, earlier, write):
     """Measures each system on one model, printing and writing each row at once, then the table."""
     compiled = "compiled" + (f" {args.mode}" if args.mode and name != "linear" else "")
-    base, torchao = ("bf16 compiled" if name == "linear" else "bf16"), f"torchao tensorwise {compiled}"
+    base = "bf16 compiled" if name == "linear" else "bf16"
     skips, handler = [], logging.Handler()  # inductor's "skipping cudagraphs due to ..." warnings
     handler.emit = lambda record: skips.append(record.getMessage())
     cudagraphs_log.addHandler(handler)
@@ -190,7 +198,7 @@ def run_model(name, args, have_torchao, earlier, write):
         torch.cuda.empty_cache()
         row.update(device=torch.cuda.get_device_name(), torch=torch.__version__, model=name, system=system, base=base)
         rows[system] = row
-        for key, reference in (("x_base", base), ("x_torchao", torchao)):
+        for key, reference in (("x_base", base), ("x_torchao", torchao_twin(system, compiled))):
             found = rows.get(reference) or earlier.get((row["device"], name, reference))
             if "tokens_per_s" in row and found and found.get("tokens_per_s"):
                 row[key] = row["tokens_per_s"] / float(found["tokens_per_s"])
@@ -200,7 +208,8 @@ def run_model(name, args, have_torchao, earlier, write):
     cudagraphs_log.removeHandler(handler)
     mode = f", compiled in mode {args.mode}" if args.mode and name != "linear" else ""
     print(f"\n{title}, median of {args.steps * (5 if name == 'linear' else 1)} steps{mode}")
-    print(f"x base: tokens/s over {base}'s; x torchao: over {torchao}'s (* from an earlier call's CSV row)\n{header}")
+    print(f"x base: tokens/s over {base}'s; x torchao: over torchao's Float8 of the same scaling, compiled (rowwise for "
+          f"the row-wise recipes, tensorwise for the others; * from an earlier call's CSV row)\n{header}")
     print("\n".join(line(system, row) for system, row in rows.items()), flush=True)
 
 

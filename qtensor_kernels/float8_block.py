@@ -23,7 +23,7 @@ from .launch import launch
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 VECTOR, TILE, GIVEN = 0, 1, 2  # the kernel's modes: 1x128 blocks, 128x128 tiles, scales given per row and column
-WARPS = {VECTOR: 8, TILE: 8, GIVEN: 8}  # the cast kernel's warps per 128x128 tile, by mode (benchmarks/sweep_cast.py)
+WARPS = {VECTOR: 4, TILE: 4, GIVEN: 4}  # the cast kernel's warps per 128x128 tile, by mode (benchmarks/sweep_cast.py)
 
 
 @triton.jit

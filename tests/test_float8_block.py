@@ -169,6 +169,30 @@ def test_each_gemm_multiplies_the_operands_its_recipe_names(recipe):
     torch.testing.assert_close(grad_w.double(), expected_dw, rtol=1e-5, atol=1e-4)
 
 
+def test_gw_hp_takes_the_weight_gradient_from_the_autocast_dtypes_values():
+    """Under bf16 autocast, as an unquantized nn.Linear: dW = dYᵀ·X from bf16 X and bf16 dY (the
+    layer's input is fp32, as a norm's output under autocast), a bf16 GEMM on a GPU, not an fp32 one."""
+    torch.manual_seed(2)
+    layer = nn.Linear(384, 128, bias=False)
+    plain = nn.Linear(384, 128, bias=False)
+    plain.load_state_dict(layer.state_dict())
+    qtensor.quantize_(layer, qtensor.recipes.float8_rowwise_gw_hp(), strict=True)
+    x, g = torch.randn(256, 384), torch.randn(256, 128)
+    for module in (layer, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(x)
+        assert y.dtype == torch.bfloat16
+        y.backward(g.to(torch.bfloat16))
+    expected = g.to(torch.bfloat16).double().t() @ x.to(torch.bfloat16).double()
+    torch.testing.assert_close(layer.weight.grad.double(), expected, rtol=1e-5, atol=1e-4)
+    # The unquantized layer's weight gradient, its bf16 GEMM's rounding aside.
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=2**-7, atol=1e-2)
+    saved = qtensor.recipes.float8_rowwise_gw_hp()(qtensor.Role("linear", "input", "layer"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        columnwise = saved.quantize(x).columnwise
+    assert columnwise.data.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 @pytest.mark.parametrize("recipe", ["float8_rowwise", "float8_rowwise_gw_hp", "float8_blockwise"])
 def test_the_recipes_train_a_stock_model(recipe, weights):

@@ -60,7 +60,9 @@ class IdentityTensor(QuantizedTensor):
 
 
 class IdentityQuantizer(Quantizer):
-    """Stores `x` unchanged, cast to `dtype` when one is given."""
+    """Stores `x` unchanged, cast to `dtype` when one is given; with no `dtype`, under autocast it
+    keeps the autocast dtype's values, as `nn.Linear` casts its operands (a high-precision weight
+    gradient in a bf16-autocast model is a bf16 GEMM, as the unquantized layer's)."""
 
     format_name = "identity"
     tensor_class = IdentityTensor
@@ -74,6 +76,14 @@ class IdentityQuantizer(Quantizer):
         return []
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
-        data = x.to(self.dtype or x.dtype, copy=True).contiguous()
+        data = x.to(self.dtype or _autocast_dtype(x) or x.dtype, copy=True).contiguous()
         storage = IdentityStorage(direction="both", rows=x.shape[0], cols=x.shape[1], dtype=data.dtype, data=data)
         return (storage if rowwise else None), (storage if columnwise else None)
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast gives a linear's operands on `x`'s device, None outside autocast (a meta
+    tensor, shapes only, has none to ask)."""
+    if x.is_meta or not torch.is_autocast_enabled(x.device.type):
+        return None
+    return torch.get_autocast_dtype(x.device.type)
