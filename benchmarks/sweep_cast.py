@@ -71,15 +71,19 @@ def sweep_float8_block(x, line):
     from qtensor_kernels import float8_block
 
     n = x.numel()
-    for name, (block_rows, block_cols), mode in [("1x128", (1, 128), float8_block.VECTOR), ("128x128", (128, 128), float8_block.TILE),
-                                                 ("row-wise", (1, None), float8_block.GIVEN)]:
-        default = float8_block.WARPS[mode]
-        for warps in (4, 8, 16):
-            float8_block.WARPS[mode] = warps
-            ms = back_to_back_ms(lambda: float8_block.cast(x, torch.float8_e4m3fn, block_rows, block_cols, block_cols is None, 0.0, True, True))
-            # Bytes: the input read once, both copies' codes written once (the scales are < 1%).
-            line(f"float8 {name} cast both directions, {warps} warps{' (row-wise: 3 kernels)' if block_cols is None else ''}", ms, 4 * n)
-        float8_block.WARPS[mode] = default
+    for source in (x, x.float()):  # bf16 activations, fp32 weights: float8_block.WARPS is by input bytes
+        size = source.element_size()
+        default = float8_block.WARPS[size]
+        for name, (block_rows, block_cols) in [("1x128", (1, 128)), ("128x128", (128, 128)), ("row-wise", (1, None))]:
+            for warps in (4, 8, 16):
+                float8_block.WARPS[size] = warps
+                cast = lambda: float8_block.cast(source, torch.float8_e4m3fn, block_rows, block_cols, block_cols is None, 0.0, True, True)
+                ms = back_to_back_ms(cast)
+                # Bytes: the input read once, both copies' codes written once (the scales are < 1%).
+                line(f"float8 {name} cast both, {source.dtype}, {warps} warps", ms, (size + 2) * n)
+        float8_block.WARPS[size] = default
+    ms = back_to_back_ms(lambda: float8_block._row_and_column_amaxes(x, True, True))
+    line("float8 row-wise amax pass alone (bf16; bytes: the input read)", ms, 2 * n)
 
 
 def main():

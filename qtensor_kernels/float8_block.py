@@ -23,7 +23,27 @@ from .launch import launch
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 VECTOR, TILE, GIVEN = 0, 1, 2  # the kernel's modes: 1x128 blocks, 128x128 tiles, scales given per row and column
-WARPS = {VECTOR: 4, TILE: 4, GIVEN: 4}  # the cast kernel's warps per 128x128 tile, by mode (benchmarks/sweep_cast.py)
+# The cast kernel's warps per 128x128 tile by the input's bytes per element: the fastest of
+# benchmarks/sweep_cast.py --float8-block on an H100. fp32 takes 8: at 4 warps Triton 3.6 miscompiles
+# the columnwise-only fp32 cast on sm_90 (a quarter of the rows' codes garbage), which
+# tests/test_cuda_kernels.py checks against the reference.
+WARPS = {2: 4, 4: 8}
+AMAX_TILES = 4  # the amax kernel's 128x128 tiles down one column strip per program
+
+
+@triton.jit
+def _rowwise_codes(x, magnitude, rows, offs_n, mask, M, N, tiles_n, pid_n, row_ptr, row_scale_inv_ptr, row_amax_ptr,
+                   epsilon, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, MODE: tl.constexpr):
+    """One set of rows' rowwise codes and scales at the rows' own scales: 1x128 blocks (each row's
+    128 values in this tile) or row-wise (each row's given amax)."""
+    if MODE == 0:
+        scale = _scale_from_amax(tl.max(magnitude, axis=1), epsilon, FP8_MAX, 1.0, POW2)
+        tl.store(row_scale_inv_ptr + rows * tiles_n + pid_n, tl.div_rn(_like(1.0, scale), scale), mask=rows < M)
+    else:
+        scale = _scale_from_amax(tl.load(row_amax_ptr + rows, mask=rows < M, other=0.0), epsilon, FP8_MAX, 1.0, POW2)
+        if pid_n == 0:
+            tl.store(row_scale_inv_ptr + rows, tl.div_rn(_like(1.0, scale), scale), mask=rows < M)
+    tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], _codes(x, scale[:, None], FP8_MAX, E5M2), mask=mask)
 
 
 @triton.jit
@@ -34,41 +54,36 @@ def _cast_kernel(
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, ROWS_PER_WORD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One BLOCK_M x BLOCK_N tile. Its rows are read as ROWS_PER_WORD interleaved sets (M is a
-    multiple of it), so that each columnwise store writes that many consecutive codes of a column as
-    one word (as the per-tensor Float8 kernel does). Where the columnwise scales need the whole tile
-    (1x128 and 128x128 blocks), a first pass finds the amaxes and a second, reading the tile again
-    (from cache), writes the codes."""
+    """One BLOCK_M x BLOCK_N tile, read once and held in registers. With ROWS_PER_WORD 4 (M a
+    multiple of 4) its rows are read as 4 interleaved sets, so that each columnwise store writes 4
+    consecutive codes of a column as one word (as the per-tensor Float8 kernel does); with 1, as one
+    set, a byte per code."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside_n = offs_n < N
     groups = pid_m.to(tl.int64) * (BLOCK_M // ROWS_PER_WORD) + tl.arange(0, BLOCK_M // ROWS_PER_WORD)
+    rows = groups * ROWS_PER_WORD  # the first set's rows; set j holds rows + j
     # Partial blocks behave as zero-padded (docs/numerics.md, Float8 with block scales).
-    mask = (groups[:, None] * ROWS_PER_WORD < M) & inside_n[None, :]
+    mask = (rows[:, None] < M) & inside_n[None, :]
+    first = x_ptr + rows[:, None] * stride_m + offs_n[None, :]
+    x0 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    m0 = _finite_magnitude(x0)
+    magnitude = m0
+    if ROWS_PER_WORD == 4:
+        x1 = tl.load(first + stride_m, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(first + 2 * stride_m, mask=mask, other=0.0).to(tl.float32)
+        x3 = tl.load(first + 3 * stride_m, mask=mask, other=0.0).to(tl.float32)
+        m1, m2, m3 = _finite_magnitude(x1), _finite_magnitude(x2), _finite_magnitude(x3)
+        magnitude = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
 
-    # Pass 1: the rowwise copy where its scales need only the rows at hand; the amaxes the columnwise
-    # scales (1x128) or the tile's one scale (128x128) need.
-    column_amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if MODE == 2 and COLUMNWISE:  # row-wise: every row's and column's amax is given
+    # The columnwise scales: each column's 128 values in this tile (1x128), the tile's amax
+    # (128x128: one scale, the same codes in both copies) or each column's given amax (row-wise).
+    if MODE == 2:
         column_amax = tl.load(col_amax_ptr + offs_n, mask=inside_n, other=0.0)
-    for j in tl.static_range(ROWS_PER_WORD):
-        rows = groups * ROWS_PER_WORD + j
-        if MODE != 2 or ROWWISE:
-            x = tl.load(x_ptr + rows[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-            if MODE != 2:
-                magnitude = _finite_magnitude(x)
-                column_amax = tl.maximum(column_amax, tl.max(magnitude, axis=0))
-            if MODE == 0 and ROWWISE:  # 1x128: each row's 128 values in this tile
-                scale = _scale_from_amax(tl.max(magnitude, axis=1), epsilon, FP8_MAX, 1.0, POW2)
-                tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], _codes(x, scale[:, None], FP8_MAX, E5M2), mask=mask)
-                tl.store(row_scale_inv_ptr + rows * tiles_n + pid_n, tl.div_rn(_like(1.0, scale), scale), mask=rows < M)
-            if MODE == 2 and ROWWISE:
-                scale = _scale_from_amax(tl.load(row_amax_ptr + rows, mask=rows < M, other=0.0), epsilon, FP8_MAX, 1.0, POW2)
-                tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], _codes(x, scale[:, None], FP8_MAX, E5M2), mask=mask)
-                if pid_n == 0:
-                    tl.store(row_scale_inv_ptr + rows, tl.div_rn(_like(1.0, scale), scale), mask=rows < M)
-    if MODE == 1:  # 128x128: one scale for the tile, the same codes in both copies
+    else:
+        column_amax = tl.max(magnitude, axis=0)
+    if MODE == 1:
         column_amax = tl.zeros((BLOCK_N,), dtype=tl.float32) + tl.max(column_amax, axis=0)
     column_scale = _scale_from_amax(column_amax, epsilon, FP8_MAX, 1.0, POW2)
     column_scale_inv = tl.div_rn(_like(1.0, column_scale), column_scale)
@@ -83,42 +98,56 @@ def _cast_kernel(
     if MODE == 2 and COLUMNWISE and pid_m == 0:
         tl.store(col_scale_inv_ptr + offs_n, column_scale_inv, mask=inside_n)
 
-    # Pass 2: the codes at the column scales (128x128: the tile's), rowwise too for 128x128.
-    if COLUMNWISE or (MODE == 1 and ROWWISE):
+    if ROWWISE and MODE != 1:  # the rows' own scales
+        ops = (offs_n, mask, M, N, tiles_n, pid_n, row_ptr, row_scale_inv_ptr, row_amax_ptr, epsilon, FP8_MAX, E5M2, POW2, MODE)
+        _rowwise_codes(x0, m0, rows, *ops)
         if ROWS_PER_WORD == 4:
-            words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.int32)
-        else:
-            words = tl.zeros((BLOCK_M // ROWS_PER_WORD, BLOCK_N), dtype=tl.uint8)
-        for j in tl.static_range(ROWS_PER_WORD):
-            rows = groups * ROWS_PER_WORD + j
-            x = tl.load(x_ptr + rows[:, None] * stride_m + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-            codes = _codes(x, column_scale[None, :], FP8_MAX, E5M2)
-            if MODE == 1 and ROWWISE:
-                tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], codes, mask=mask)
-            if ROWS_PER_WORD == 1:
-                words = codes
-            else:
-                words = words | (codes.to(words.dtype) << (8 * j))
+            _rowwise_codes(x1, m1, rows + 1, *ops)
+            _rowwise_codes(x2, m2, rows + 2, *ops)
+            _rowwise_codes(x3, m3, rows + 3, *ops)
+    if COLUMNWISE or (MODE == 1 and ROWWISE):  # the codes at the column scales (128x128: the tile's)
+        ops = (offs_n, mask, N, row_ptr, column_scale, FP8_MAX, E5M2, MODE == 1 and ROWWISE)
+        words = _column_codes(x0, rows, *ops)
+        if ROWS_PER_WORD == 4:
+            words = words.to(tl.int32)
+            words = words | (_column_codes(x1, rows + 1, *ops).to(tl.int32) << 8)
+            words = words | (_column_codes(x2, rows + 2, *ops).to(tl.int32) << 16)
+            words = words | (_column_codes(x3, rows + 3, *ops).to(tl.int32) << 24)
         if COLUMNWISE:
             word_ptr = col_ptr.to(tl.pointer_type(words.dtype))
             tl.store(word_ptr + offs_n[:, None] * (M // ROWS_PER_WORD) + groups[None, :], tl.trans(words), mask=tl.trans(mask))
 
 
 @triton.jit
+def _column_codes(x, rows, offs_n, mask, N, row_ptr, column_scale, FP8_MAX: tl.constexpr, E5M2: tl.constexpr,
+                  STORE_ROWWISE: tl.constexpr):
+    """One set of rows' codes at the column scales, stored as the rowwise copy too for 128x128 blocks."""
+    codes = _codes(x, column_scale[None, :], FP8_MAX, E5M2)
+    if STORE_ROWWISE:
+        tl.store(row_ptr + rows[:, None] * N + offs_n[None, :], codes, mask=mask)
+    return codes
+
+
+@triton.jit
 def _amax_kernel(x_ptr, row_amax_ptr, col_amax_ptr, M, N, stride_m, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The finite amax of each row and of each column, from one read: each tile's, folded into the
-    zero-filled outputs by atomic max (exact in any order)."""
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    """The finite amax of each row and of each column, from one read: each program reads TILES tiles
+    down one column strip, folds its column maxes in registers and each tile's row maxes into the
+    zero-filled outputs by atomic max (exact in any order), then its column maxes the same way."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside_m, inside_n = offs_m < M, offs_n < N
-    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=inside_m[:, None] & inside_n[None, :], other=0.0)
-    magnitude = _finite_magnitude(x.to(tl.float32))
-    if ROWS:
-        tl.atomic_max(row_amax_ptr + offs_m, tl.max(magnitude, axis=1), mask=inside_m, sem="relaxed")
+    inside_n = offs_n < N
+    column = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        offs_m = (pid_m.to(tl.int64) * TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        inside_m = offs_m < M
+        x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_n[None, :], mask=inside_m[:, None] & inside_n[None, :], other=0.0)
+        magnitude = _finite_magnitude(x.to(tl.float32))
+        if ROWS:
+            tl.atomic_max(row_amax_ptr + offs_m, tl.max(magnitude, axis=1), mask=inside_m, sem="relaxed")
+        column = tl.maximum(column, tl.max(magnitude, axis=0))
     if COLUMNS:
-        tl.atomic_max(col_amax_ptr + offs_n, tl.max(magnitude, axis=0), mask=inside_n, sem="relaxed")
+        tl.atomic_max(col_amax_ptr + offs_n, column, mask=inside_n, sem="relaxed")
 
 
 def _row_and_column_amaxes(x: torch.Tensor, rows: bool, columns: bool):
@@ -128,9 +157,9 @@ def _row_and_column_amaxes(x: torch.Tensor, rows: bool, columns: bool):
     amaxes = torch.zeros(M * rows + N * columns, dtype=torch.float32, device=x.device)
     row_amax, col_amax = amaxes[: M * rows], amaxes[M * rows:]
     if M and N:
-        launch(_amax_kernel, (triton.cdiv(M, 128), triton.cdiv(N, 128)), x, row_amax if rows else amaxes,
+        launch(_amax_kernel, (triton.cdiv(M, 128 * AMAX_TILES), triton.cdiv(N, 128)), x, row_amax if rows else amaxes,
                col_amax if columns else amaxes, M, N, x.stride(0), ROWS=rows, COLUMNS=columns, BLOCK_M=128, BLOCK_N=128,
-               num_warps=8)
+               TILES=AMAX_TILES, num_warps=8)
     return (row_amax if rows else None), (col_amax if columns else None)
 
 
@@ -168,6 +197,6 @@ def cast(x, fp8_dtype, block_rows, block_cols, pow2_scales, amax_epsilon, rowwis
         M, N, x.stride(0), float(amax_epsilon),
         FP8_MAX=_FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2, POW2=pow2_scales, MODE=mode,
         ROWWISE=rowwise, COLUMNWISE=columnwise, ROWS_PER_WORD=rows_per_word, BLOCK_M=128, BLOCK_N=128,
-        num_warps=WARPS[mode],
+        num_warps=WARPS[x.element_size()],
     )
     return row, col

@@ -676,10 +676,30 @@ def test_the_float8_block_cast_kernel_writes_the_references_bytes(dtype, options
         got, expected = fast.storage_for(direction), reference.storage_for(direction)
         assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8)), direction
         assert torch.equal(got.scale_inv, expected.scale_inv), direction
-    for rowwise, columnwise in ((True, False), (False, True)):
-        one = quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise)
+    for rowwise, columnwise in ((True, False), (False, True)):  # one copy alone: a kernel compiled apart
         direction = "rowwise" if rowwise else "columnwise"
-        assert torch.equal(one.storage_for(direction).data.view(torch.uint8), fast.storage_for(direction).data.view(torch.uint8))
+        got, expected = quantizer.quantize(x, rowwise=rowwise, columnwise=columnwise).storage_for(direction), reference.storage_for(direction)
+        assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8)), direction
+        assert torch.equal(got.scale_inv, expected.scale_inv), direction
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 130), (4096, 1024)])
+@pytest.mark.parametrize("block", [(1, None), (1, 128), (128, 128)], ids=["rowwise", "1x128", "128x128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_float8_block_cast_kernel_rounds_full_precision_inputs_as_the_reference(dtype, block, shape):
+    """Inputs with every mantissa bit in use (an fp32 weight, a gradient) and magnitudes over 2^±8:
+    each copy alone and both together equal the reference bit for bit."""
+    torch.manual_seed(3)
+    x = (torch.randn(shape) * torch.exp2(torch.randint(-8, 8, shape).float())).to(dtype)
+    quantizer = qtensor.Float8BlockQuantizer(block_rows=block[0], block_cols=block[1])
+    reference = quantizer.quantize(x)  # on the CPU: the pure-torch reference
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        fast = quantizer.quantize(x.cuda(), rowwise=rowwise, columnwise=columnwise)
+        for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if wanted:
+                got, expected = fast.storage_for(direction), reference.storage_for(direction)
+                assert torch.equal(got.data.cpu().view(torch.uint8), expected.data.view(torch.uint8)), (direction, rowwise, columnwise)
+                assert torch.equal(got.scale_inv.cpu(), expected.scale_inv), (direction, rowwise, columnwise)
 
 
 @pytest.mark.parametrize("shape", [(0, 256), (256, 0), (0, 0)])
