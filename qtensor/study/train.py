@@ -57,6 +57,9 @@ def study_runs() -> dict[str, StudyRun]:
         StudyRun("mxfp8_fwd_nvfp4_bwd", Recipe(_hybrid())),
         StudyRun("mxfp8_fwd_nvfp4_bwd-high_precision_bwd", Recipe(_hybrid(), backward_override="high_precision")),
         StudyRun("mxfp8_fwd_nvfp4_bwd-dequantized_bwd", Recipe(_hybrid(), backward_override="dequantized")),
+        StudyRun("float8_rowwise", Recipe(recipes.float8_rowwise())),
+        StudyRun("float8_rowwise_gw_hp", Recipe(recipes.float8_rowwise_gw_hp())),
+        StudyRun("float8_blockwise", Recipe(recipes.float8_blockwise())),
         # Variants that test a cause of a gap (docs/convergence.md, "What was tried against the gaps").
         StudyRun("float8_current-e4m3_grad", Recipe(recipes.float8_current(grad_fp8_dtype=torch.float8_e4m3fn))),
         StudyRun("nvfp4-bf16_last2", Recipe(recipes.nvfp4()), high_precision_last=2),
