@@ -13,6 +13,7 @@ raises ValueError naming the key and the problem, and a failed `load_model` leav
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -122,7 +123,17 @@ def load_model(model: nn.Module, filename, strict: bool = True, device=None) -> 
     checked before anything is written, so a failed load leaves the model untouched. Returns the
     (missing, unexpected) keys, as safetensors.torch.load_model does; with `strict` either raises.
     """
-    read = _read_model_files(os.fspath(filename), device or "cpu")
+    return _load_read(model, _read_model_files(os.fspath(filename), device or "cpu"), strict, f"load_model({filename!r})")
+
+
+def load_model_files(model: nn.Module, filenames, strict: bool = True, device=None) -> tuple[list[str], list[str]]:
+    """`load_model` from shards a writer split itself (`state_for_writer`'s tensors and metadata,
+    as `transformers`' `save_pretrained` writes them): `filenames` are all of them."""
+    filenames = [os.fspath(f) for f in filenames]
+    return _load_read(model, _read_files(filenames, device or "cpu"), strict, f"load_model_files({filenames[0]!r}, ...)")
+
+
+def _load_read(model: nn.Module, read: _Read, strict: bool, source: str) -> tuple[list[str], list[str]]:
     loaded = dict(read.tensors)
     # A weight saved once for several tied names serves each of them.
     for alias, kept in read.tied.items():
@@ -132,12 +143,29 @@ def load_model(model: nn.Module, filename, strict: bool = True, device=None) -> 
     missing = [key for key in expected if key not in loaded]
     unexpected = [key for key in loaded if key not in expected and key not in read.tied]
     if strict and (missing or unexpected):
-        raise ValueError(f"load_model({filename!r}): missing keys {missing}, unexpected keys {unexpected}; nothing was loaded.")
+        raise ValueError(f"{source}: missing keys {missing}, unexpected keys {unexpected}; nothing was loaded.")
     for key in expected:
         if key in loaded:
             _check_loadable(key, expected[key], loaded[key])
     model.load_state_dict({key: loaded[key] for key in expected if key in loaded}, strict=False)
     return missing, unexpected
+
+
+def state_for_writer(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`model.state_dict()` as the plain tensors a file stores (tied weights once, quantized tensors
+    as their buffers) and the safetensors metadata that describes them all, for a writer that shards
+    them itself and writes the same metadata into every shard (`transformers`' `save_pretrained`);
+    `load_model_files` reads them back."""
+    state = model.state_dict()
+    tied = _tied_names(model, state)
+    entries = {key: value for key, value in state.items() if key not in tied}
+    if any(hasattr(value, "_local_tensor") for value in entries.values()):
+        raise NotImplementedError("state_for_writer: the model is sharded (FSDP2 or tensor parallel); save it with qtensor.save_model.")
+    stored, described = _stored_tensors(entries)
+    header = {"version": FORMAT_VERSION, "tensors": described}
+    if tied:
+        header["tied"] = tied
+    return stored, {METADATA_KEY: json.dumps(header, sort_keys=True)}
 
 
 def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> None:
@@ -381,11 +409,29 @@ def read_header(filename) -> tuple[dict, dict[str, str]]:
 
 
 def _read(filename, device) -> _Read:
+    return _read_files([os.fspath(filename)], device)
+
+
+def _read_files(filenames: list[str], device) -> _Read:
+    """The tensors of one or more files under one qtensor description. One file: `save_file` /
+    `save_model`'s. Several: the shards of a writer that splits the state itself (`transformers`'
+    `save_pretrained`, `qtensor.hf`), each carrying the whole model's description in its metadata,
+    where one quantized tensor's buffers may lie in different shards."""
     from safetensors import safe_open
 
-    filename = os.fspath(filename)
-    header, metadata = read_header(filename)
-    description = _parse_description(filename, metadata)
+    header, owner_file, description = {}, {}, None
+    for filename in filenames:
+        entries, metadata = read_header(filename)
+        parsed = _parse_description(filename, metadata)
+        if description is None:
+            description = parsed
+        elif parsed != description:
+            raise ValueError(f"{filename}: its qtensor description differs from {filenames[0]}'s: the files are not one model's shards.")
+        for name, entry in entries.items():
+            if name in header:
+                raise ValueError(f"{filename}: {name} is also in {owner_file[name]}.")
+            header[name], owner_file[name] = entry, filename
+    where = filenames[0] if len(filenames) == 1 else os.path.dirname(filenames[0]) or "."
     # Group the stored names: every `key.<name>` of a quantized key belongs to it.
     groups: dict[str, dict[str, str]] = {key: {} for key in description["tensors"]}
     plain = []
@@ -398,17 +444,19 @@ def _read(filename, device) -> _Read:
     # Check every quantized tensor against its declared layouts on meta tensors: no data read yet.
     for key, names in groups.items():
         meta = {buffer: _meta_tensor(header[name], device) for buffer, name in names.items()}
-        QuantizedTensor.check_buffers(meta, description["tensors"][key], where=f"{filename}: {key}.")
+        QuantizedTensor.check_buffers(meta, description["tensors"][key], where=f"{where}: {key}.")
     try:
-        with safe_open(filename, framework="pt", device=str(device)) as file:
-            tensors = {name: file.get_tensor(name) for name in plain}
+        with contextlib.ExitStack() as stack:
+            files = {filename: stack.enter_context(safe_open(filename, framework="pt", device=str(device))) for filename in filenames}
+            read = lambda name: files[owner_file[name]].get_tensor(name)
+            tensors = {name: read(name) for name in plain}
             for key, names in groups.items():
-                buffers = {buffer: file.get_tensor(name) for buffer, name in names.items()}
-                tensors[key] = QuantizedTensor.from_buffers(buffers, description["tensors"][key], where=f"{filename}: {key}.")
+                buffers = {buffer: read(name) for buffer, name in names.items()}
+                tensors[key] = QuantizedTensor.from_buffers(buffers, description["tensors"][key], where=f"{where}: {key}.")
     except ValueError:
         raise
     except Exception as error:  # safetensors' own error for anything the header check let through
-        raise ValueError(f"{filename}: safetensors could not read it ({error}).") from None
+        raise ValueError(f"{where}: safetensors could not read it ({error}).") from None
     return _Read(tensors, description["tied"])
 
 

@@ -1,0 +1,160 @@
+"""Hugging Face `transformers` integration: `QTensorConfig`, a quantization config that
+`from_pretrained` takes, and the quantizer `transformers` runs for it, registered under
+`quant_method="qtensor"` when this module is imported (docs/huggingface.md).
+
+    import qtensor.hf
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=qtensor.hf.QTensorConfig(recipe="mxfp8"))
+    model.qtensor_report  # what quantize_ did, layer by layer
+
+`from_pretrained` loads the checkpoint as usual (built on the meta device, then filled), and the
+quantizer then calls `qtensor.quantize_` on the loaded model with the config's recipe, weight mode
+and exclusions: the model is exactly what `quantize_` makes of the same model built by hand.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from transformers.quantizers.auto import register_quantization_config, register_quantizer
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from . import checkpoint, recipes
+from .quantize import quantize_
+from .recipe import Recipe
+
+# The ready recipes a config names (qtensor.recipes): a name is what config.json can carry.
+RECIPES = (
+    "float8_current", "float8_delayed", "float8_rowwise", "float8_rowwise_gw_hp", "float8_blockwise",
+    "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
+)
+WEIGHT_MODES = ("dynamic", "quantized")
+
+
+@register_quantization_config("qtensor")
+class QTensorConfig(QuantizationConfigMixin):
+    """What `from_pretrained` quantizes, and how.
+
+    - `recipe`: a ready recipe's name (`RECIPES`; `recipe_options` are its keyword arguments, as
+      `qtensor.recipes.mxfp8(**recipe_options)`), or a factory or `qtensor.Recipe` built by hand.
+    - `weights`: `"dynamic"` (high-precision parameters, cast at each use) or `"quantized"`
+      (each parameter the quantized tensor; train it through `qtensor.optim.MasterWeights`).
+    - `modules_to_not_convert`: names or glob patterns of layers (or of modules whose layers all
+      stay) kept in high precision, as `quantize_`'s `exclude`.
+    - `filter_fn(module, name) -> bool`: as `quantize_`'s; not written to `config.json`.
+    """
+
+    def __init__(
+        self,
+        recipe: str | Callable | Recipe = "float8_current",
+        weights: str = "dynamic",
+        modules_to_not_convert: list[str] | None = None,
+        recipe_options: dict[str, Any] | None = None,
+        filter_fn: Callable | None = None,
+        **kwargs,
+    ):
+        self.quant_method = "qtensor"
+        if isinstance(recipe, str) and recipe not in RECIPES:
+            raise ValueError(f"QTensorConfig: unknown recipe {recipe!r}; the ready recipes are {', '.join(RECIPES)} (or pass a factory).")
+        if not isinstance(recipe, str) and not callable(recipe):
+            raise TypeError(f"QTensorConfig: recipe must be a ready recipe's name or a factory, got {type(recipe).__name__}.")
+        if recipe_options and not isinstance(recipe, str):
+            raise ValueError("QTensorConfig: recipe_options are a ready recipe's keyword arguments; a factory takes its own.")
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"QTensorConfig: weights must be one of {WEIGHT_MODES}, got {weights!r}.")
+        self.recipe = recipe
+        self.weights = weights
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.recipe_options = dict(recipe_options or {})
+        self.filter_fn = filter_fn
+        self.factory()  # a bad option raises here, not halfway through loading
+
+    def factory(self):
+        """The factory (or Recipe) `quantize_` is given."""
+        if isinstance(self.recipe, str):
+            return getattr(recipes, self.recipe)(**self.recipe_options)
+        return self.recipe
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `config.json` carries: JSON values only (a factory as its repr; `filter_fn` not at all)."""
+        return {
+            "quant_method": self.quant_method,
+            "recipe": self.recipe if isinstance(self.recipe, str) else repr(self.recipe),
+            "weights": self.weights,
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+            "recipe_options": _jsonable(self.recipe_options),
+        }
+
+    def __repr__(self) -> str:
+        return f"QTensorConfig({self.to_json_string(use_diff=False).strip()})"
+
+
+def _jsonable(options: dict) -> dict:
+    """Recipe options as JSON values (a dtype by its name, as torch writes it)."""
+    return {name: str(value).removeprefix("torch.") if hasattr(value, "is_floating_point") else value for name, value in options.items()}
+
+
+@register_quantizer("qtensor")
+class QTensorHfQuantizer(HfQuantizer):
+    """Runs `qtensor.quantize_` on the model `from_pretrained` loaded. Nothing is quantized while the
+    checkpoint is read (`param_needs_quantization` is False for every tensor): the model is loaded
+    in the checkpoint's precision, then quantized in place."""
+
+    requires_calibration = False
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        return False
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if self.pre_quantized:
+            # The checkpoint holds qtensor's tensors (a quantized weight as its buffers, running
+            # state) where the plain model has plain weights: transformers reads what matches and
+            # is told not to report the rest, which _process_model_after_weight_loading restores.
+            if not checkpoint_files:
+                raise ValueError("qtensor: a quantized checkpoint loads from its safetensors files; none were found.")
+            self.checkpoint_files = list(checkpoint_files)
+            stored = set()
+            for filename in self.checkpoint_files:
+                stored.update(checkpoint.read_header(filename)[0])
+            expected = set(model.state_dict())
+            exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
+            model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(stored - expected)
+            model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact(expected - stored)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        config = self.quantization_config
+        model.qtensor_report = quantize_(
+            model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn
+        )
+        if self.pre_quantized:  # the quantized weights' bytes and the running state, as saved
+            device = next(model.parameters()).device
+            checkpoint.load_model_files(model, self.checkpoint_files, strict=True, device=device)
+        return model
+
+    def get_state_dict_and_metadata(self, model):
+        """What save_pretrained writes: qtensor's stored tensors and their description (docs/checkpoint-format.md)."""
+        if not isinstance(self.quantization_config.recipe, str):
+            raise ValueError(
+                f"qtensor: save_pretrained needs a ready recipe's name in QTensorConfig (config.json names it for "
+                f"from_pretrained); this model was quantized with {self.quantization_config.recipe!r}. Save it with "
+                "qtensor.save_model and load it with qtensor.load_model into a model quantize_'d the same way."
+            )
+        return checkpoint.state_for_writer(model)
+
+    def is_serializable(self, safe_serialization=None) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        # The whole model trains through qtensor's layers (no adapters needed).
+        return True
+
+    @property
+    def is_compileable(self) -> bool:
+        return True

@@ -1,0 +1,144 @@
+"""qtensor.hf: from_pretrained with a QTensorConfig quantizes the loaded model as quantize_ does;
+offline, on tiny models built from configs and saved to a temporary directory."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import qtensor  # noqa: E402
+import qtensor.hf  # noqa: E402
+from qtensor.hf import QTensorConfig  # noqa: E402
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    ),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(model name, a plain checkpoint directory) saved by save_pretrained."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, path
+
+
+def _by_hand(path, recipe, weights, **options):
+    """The model built from the same checkpoint without the config, then quantize_'d: the reference."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    report = qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights, **options)
+    return model, report
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", qtensor.hf.RECIPES)
+def test_from_pretrained_quantizes_as_quantize_does(checkpoint, recipe, weights):
+    name, path = checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe=recipe, weights=weights))
+    expected, expected_report = _by_hand(path, recipe, weights)
+    assert model.qtensor_report.quantized == expected_report.quantized and len(expected_report.quantized) > 0
+    assert model.qtensor_report.skipped == expected_report.skipped  # tied embeddings and lm_head as quantize_ leaves them
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, expected(tokens).logits)
+    assert model.config.quantization_config.to_dict()["recipe"] == recipe
+
+
+def test_the_loaded_model_trains(checkpoint):
+    _, path = checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe="float8_current"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(256, (4, 32), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for _ in range(8):
+        loss = model(tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert model.hf_quantizer.is_trainable and model.hf_quantizer.is_qat_trainable  # what Trainer asks
+
+
+def test_modules_to_not_convert_keeps_layers_in_high_precision(checkpoint):
+    name, path = checkpoint
+    keep = ["lm_head"] if name != "gpt2" else ["transformer.h.0.mlp"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(modules_to_not_convert=keep))
+    _, expected = _by_hand(path, "float8_current", "dynamic", exclude=keep)
+    assert model.qtensor_report.quantized == expected.quantized
+
+
+def test_recipe_options_reach_the_recipe_and_config_json(tmp_path):
+    config = QTensorConfig(recipe="float8_delayed", recipe_options={"amax_history_len": 8})
+    assert config.factory().options["amax_history_len"] == 8
+    assert config.to_dict() == {
+        "quant_method": "qtensor", "recipe": "float8_delayed", "weights": "dynamic",
+        "modules_to_not_convert": [], "recipe_options": {"amax_history_len": 8},
+    }
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(recipe="float8"), "unknown recipe"),
+    (dict(weights="fp8"), "weights must be"),
+    (dict(recipe="mxfp8", recipe_options={"no_such_option": 1}), "no_such_option"),
+])
+def test_bad_configs_raise_when_made(bad, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        QTensorConfig(**bad)
+
+
+def _bytes(model) -> dict:
+    """Every state entry as its stored bytes (a quantized tensor as its buffers): what a round trip keeps."""
+    stored, _ = qtensor.checkpoint.state_for_writer(model)
+    return {name: tensor.contiguous().view(-1).view(torch.uint8) for name, tensor in stored.items()}
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", qtensor.hf.RECIPES)
+def test_save_pretrained_and_from_pretrained_restore_the_quantized_model(checkpoint, recipe, weights, tmp_path):
+    """save_pretrained writes qtensor's tensors (sharded with transformers' index when asked) and
+    config.json the config; from_pretrained with no argument restores the same bytes and logits,
+    after two training steps (delayed scaling's histories included)."""
+    _, path = checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe=recipe, weights=weights))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    if weights == "quantized":
+        optimizer = qtensor.optim.MasterWeights(optimizer)
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files
+    saved_config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved_config["quant_method"] == "qtensor" and saved_config["recipe"] == recipe and saved_config["weights"] == weights
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded.config.quantization_config, QTensorConfig)
+    assert loaded.qtensor_report.quantized == model.qtensor_report.quantized
+    before, after = _bytes(model), _bytes(loaded)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before), [n for n in before if not torch.equal(before[n], after[n])]
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, loaded(tokens).logits)
+
+
+def test_a_custom_factory_is_refused_by_save_pretrained_by_name(checkpoint, tmp_path):
+    _, path = checkpoint
+    factory = qtensor.recipes.float8_current()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe=factory))
+    with pytest.raises(ValueError, match="ready recipe's name"):
+        model.save_pretrained(tmp_path)
