@@ -16,12 +16,18 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import os
+
+import torch
+from transformers import Trainer
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint, recipes
+from .optim import MasterWeights
 from .quantize import quantize_
+from .tensor import QuantizedTensor
 from .recipe import Recipe
 
 # The ready recipes a config names (qtensor.recipes): a name is what config.json can carry.
@@ -158,3 +164,57 @@ class QTensorHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+class QTensorTrainer(Trainer):
+    """`transformers.Trainer` for a model `from_pretrained` quantized with a `QTensorConfig`:
+
+    - with quantized weights (`weights="quantized"`), the optimizer `Trainer` builds
+      (`create_optimizer`, the documented hook) is wrapped in `qtensor.optim.MasterWeights`, which
+      steps high-precision masters and writes them back into the quantized weights;
+    - `train(resume_from_checkpoint=...)` restores the checkpoint's qtensor tensors (quantized
+      weights' bytes, delayed scaling's histories) with `qtensor.checkpoint.load_model_files`,
+      where `Trainer`'s own `load_state_dict` of the file's plain tensors would leave them out,
+      and restores them again after `MasterWeights`' state (whose loading casts the masters).
+
+    Anything else is `Trainer`'s own. A model with dynamic weights also trains with a plain
+    `Trainer`, but resumes exactly only here."""
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        target = model if model is not None else self.model
+        if any(isinstance(p, QuantizedTensor) for p in target.parameters()) and not isinstance(optimizer, MasterWeights):
+            self.optimizer = optimizer = MasterWeights(optimizer)
+        return optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):
+        super()._load_optimizer_and_scheduler(checkpoint_dir)
+        if checkpoint_dir is not None and isinstance(self.optimizer_unwrapped(), MasterWeights):
+            # Loading MasterWeights' state writes its masters back into the weights (a cast that
+            # records delayed scaling's amaxes): the checkpoint's weights and histories, restored
+            # again after it, are the ones the run saved.
+            self._load_from_checkpoint(checkpoint_dir)
+
+    def optimizer_unwrapped(self):
+        """The optimizer `create_optimizer` made, under accelerate's wrapper."""
+        return getattr(self.optimizer, "optimizer", self.optimizer) if not isinstance(self.optimizer, MasterWeights) else self.optimizer
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        model = model if model is not None else self.model
+        if not isinstance(getattr(model, "hf_quantizer", None), QTensorHfQuantizer):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        checkpoint.load_model_files(model, checkpoint_files(resume_from_checkpoint), strict=True, device=next(model.parameters()).device)
+
+
+def checkpoint_files(directory) -> list[str]:
+    """The safetensors files `save_pretrained` wrote into `directory`: `model.safetensors`, or the
+    shards its `model.safetensors.index.json` names."""
+    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        import json
+
+        with open(index) as file:
+            return [os.path.join(directory, name) for name in sorted(set(json.load(file)["weight_map"].values()))]
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json; not a save_pretrained directory.")

@@ -195,6 +195,10 @@ class MasterWeights(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the wrapped optimizer's state and the masters, and write the masters back into the
+        quantized parameters. That write is a cast: under delayed scaling it takes the history's
+        scale and records an amax. To resume exactly, load this first and the model's checkpoint
+        (`qtensor.load_model`, which restores the weights' bytes and histories) after it."""
         masters = state_dict["masters"]
         if len(masters) != len(self.pairs):
             raise ValueError(f"MasterWeights state holds {len(masters)} masters; this optimizer has {len(self.pairs)}.")

@@ -142,3 +142,43 @@ def test_a_custom_factory_is_refused_by_save_pretrained_by_name(checkpoint, tmp_
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe=factory))
     with pytest.raises(ValueError, match="ready recipe's name"):
         model.save_pretrained(tmp_path)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.tokens = torch.randint(256, (64, 32), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_trainer_trains_and_resumes_exactly(weights, tmp_path):
+    """QTensorTrainer: gradient accumulation, MasterWeights for quantized weights, and a run resumed
+    from its step-3 checkpoint ends on the same losses and the same bytes as the run that went on."""
+    torch.manual_seed(0)
+    path = tmp_path / "plain"
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(path)
+
+    def trainer(out):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe="float8_delayed", weights=weights))
+        args = transformers.TrainingArguments(
+            out, max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-3, save_steps=3,
+            logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0, lr_scheduler_type="constant", disable_tqdm=True,
+        )
+        return qtensor.hf.QTensorTrainer(model=model, args=args, train_dataset=_Tokens())
+
+    losses = lambda t: [entry["loss"] for entry in t.state.log_history if "loss" in entry]
+    uninterrupted = trainer(tmp_path / "run")
+    uninterrupted.train()
+    if weights == "quantized":
+        assert isinstance(uninterrupted.optimizer_unwrapped(), qtensor.optim.MasterWeights)
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert len(losses(uninterrupted)) == 6 and losses(resumed) == losses(uninterrupted)
+    before, after = _bytes(uninterrupted.model), _bytes(resumed.model)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert any(before[name].any() for name in before if "amax_history" in name)  # delayed scaling recorded amaxes
