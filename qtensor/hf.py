@@ -218,3 +218,22 @@ def checkpoint_files(directory) -> list[str]:
     if os.path.exists(single):
         return [single]
     raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json; not a save_pretrained directory.")
+
+
+def export(model, directory, dtype: torch.dtype = torch.bfloat16, **save_pretrained_kwargs) -> None:
+    """Write `model` as a plain `transformers` checkpoint that loads without qtensor: every weight
+    its dequantized values (a dynamic weight its own values) in `dtype`, no quantization config, no
+    running state. The model itself is left as it is (a copy is dequantized)."""
+    import copy
+
+    from .quantize import dequantize_
+
+    plain = copy.deepcopy(model)
+    dequantize_(plain)
+    for attribute in ("hf_quantizer", "quantization_method", "qtensor_report"):
+        if hasattr(plain, attribute):
+            delattr(plain, attribute)
+    plain.is_quantized = False
+    if hasattr(plain.config, "quantization_config"):
+        del plain.config.quantization_config
+    plain.to(dtype).save_pretrained(directory, **save_pretrained_kwargs)

@@ -182,3 +182,34 @@ def test_trainer_trains_and_resumes_exactly(weights, tmp_path):
     before, after = _bytes(uninterrupted.model), _bytes(resumed.model)
     assert all(torch.equal(before[name], after[name]) for name in before)
     assert any(before[name].any() for name in before if "amax_history" in name)  # delayed scaling recorded amaxes
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_export_writes_a_plain_checkpoint_transformers_loads_without_qtensor(checkpoint, weights, tmp_path):
+    _, path = checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe="nvfp4", weights=weights))
+    qtensor.hf.export(model, tmp_path)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    assert model.hf_quantizer is not None and len(model.qtensor_report.quantized) > 0  # the model is left as it was
+    # A fresh interpreter where qtensor cannot be imported loads it, every weight in bf16.
+    script = (
+        "import sys, torch, transformers; sys.modules['qtensor'] = None\n"
+        f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})\n"
+        "torch.save({k: v for k, v in m.state_dict().items()}, sys.argv[1])"
+    )
+    import subprocess
+    import sys
+
+    out = tmp_path / "state.pt"
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, capture_output=True)
+    loaded = torch.load(out)
+    for name, value in model.state_dict().items():
+        if name in loaded:
+            plain = value.dequantize() if isinstance(value, qtensor.QuantizedTensor) else value.plain() if isinstance(value, qtensor.DynamicWeight) else value
+            expected = plain.to(torch.bfloat16) if plain.is_floating_point() else plain
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            if type(module).__name__ == "Conv1D" and isinstance(value, qtensor.QuantizedTensor):
+                expected = expected.t()  # a quantized Conv1D weight is held [out, in]; the checkpoint's is [in, out]
+            assert torch.equal(loaded[name], expected), name
+    quantized_weights = [name + ".weight" for name in model.qtensor_report.quantized]
+    assert all(name in loaded and loaded[name].dtype == torch.bfloat16 for name in quantized_weights), quantized_weights
