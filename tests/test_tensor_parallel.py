@@ -88,6 +88,11 @@ def test_a_shard_edge_inside_a_block_raises_naming_the_layer_and_the_block(distr
     assert "32-row blocks" in message and "shards of 24" in message, message
 
 
+def test_compiling_a_tensor_parallel_layer_is_refused_naming_the_layer(distributed):
+    message = distributed["traced"]
+    assert "layer '0'" in message and "torch.compile over a tensor-parallel quantized layer" in message, message
+
+
 def test_a_quantized_weight_splits_along_its_columns_into_the_same_bytes():
     """What RowwiseParallel does to a quantized weight: chunk along dim 1, each piece its columns."""
     weight = qtensor.MXFP8Quantizer().quantize(torch.randn(64, 128))

@@ -327,6 +327,17 @@ def run_distributed(out_path: str) -> None:
         results["cut_block"] = "no error"
     except ValueError as error:
         results["cut_block"] = str(error)
+    # torch.compile over a tensor-parallel quantized layer is refused, naming the layer (dynamo
+    # cannot follow the weight the layer swaps into its __dict__ for the forward).
+    model = nn.Sequential(nn.Linear(64, 64)).to(DEVICE)
+    qtensor.quantize_(model, qtensor.recipes.float8_current())
+    parallelize_module(model, mesh, {"0": ColwiseParallel()})
+    try:
+        torch.compile(model, backend="eager", fullgraph=True)(torch.randn(4, 64, device=DEVICE))
+        results["traced"] = "no error"
+    except Exception as error:  # dynamo wraps what the traced code raised
+        results["traced"] = f"{type(error).__name__}: {error}"
+    torch._dynamo.reset()
     # Under bf16 autocast a row-parallel layer's output is bf16, as nn.Linear's (a float32 bias added
     # to the partial sums would promote it).
     from torch.distributed.tensor.parallel import RowwiseParallel
