@@ -77,9 +77,7 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
     shards `<stem>-00001-of-0000N.safetensors` next to `filename`, plus `<filename>.index.json`
     mapping every stored tensor to its shard (one shard: a single file, as Hugging Face does).
     """
-    state = model.state_dict()
-    tied = _tied_names(model, state)
-    entries = {key: value for key, value in state.items() if key not in tied}
+    entries, tied = _entries(model)
     user = _user_metadata(metadata)
     filename = os.fspath(filename)
     max_bytes = _parse_size(max_shard_size) if max_shard_size is not None else None  # on every rank, first
@@ -156,16 +154,26 @@ def state_for_writer(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
     as their buffers) and the safetensors metadata that describes them all, for a writer that shards
     them itself and writes the same metadata into every shard (`transformers`' `save_pretrained`);
     `load_model_files` reads them back."""
-    state = model.state_dict()
-    tied = _tied_names(model, state)
-    entries = {key: value for key, value in state.items() if key not in tied}
+    entries, tied = _entries(model)
     if any(hasattr(value, "_local_tensor") for value in entries.values()):
         raise NotImplementedError("state_for_writer: the model is sharded (FSDP2 or tensor parallel); save it with qtensor.save_model.")
     stored, described = _stored_tensors(entries)
+    return stored, {METADATA_KEY: _header(described, tied)}
+
+
+def _entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`model.state_dict()` without the tied aliases, and the aliases (alias -> the name kept)."""
+    state = model.state_dict()
+    tied = _tied_names(model, state)
+    return {key: value for key, value in state.items() if key not in tied}, tied
+
+
+def _header(described: dict, tied: dict[str, str]) -> str:
+    """The `qtensor` metadata entry: the quantized tensors' descriptions and the tied names."""
     header = {"version": FORMAT_VERSION, "tensors": described}
     if tied:
         header["tied"] = tied
-    return stored, {METADATA_KEY: json.dumps(header, sort_keys=True)}
+    return json.dumps(header, sort_keys=True)
 
 
 def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> None:
@@ -253,10 +261,7 @@ def _write(tensors: dict, filename, user: dict[str, str], tied: dict[str, str]) 
     from safetensors.torch import save_file as safetensors_save_file
 
     stored, described = _stored_tensors(tensors)
-    header = {"version": FORMAT_VERSION, "tensors": described}
-    if tied:
-        header["tied"] = tied
-    safetensors_save_file(stored, os.fspath(filename), metadata={**user, METADATA_KEY: json.dumps(header, sort_keys=True)})
+    safetensors_save_file(stored, os.fspath(filename), metadata={**user, METADATA_KEY: _header(described, tied)})
     return stored
 
 
@@ -321,19 +326,10 @@ def _read_model_files(filename: str, device) -> _Read:
     index_path = filename if filename.endswith(".index.json") else filename + ".index.json"
     if not os.path.exists(index_path):
         raise FileNotFoundError(f"Neither {filename!r} nor the shard index {index_path!r} exists.")
-    try:
-        with open(index_path) as index_file:
-            index = json.load(index_file)
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map must map names to shard file names")
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{index_path}: not a shard index ({error}).") from None
+    weight_map = read_index(index_path)
     directory = os.path.dirname(index_path)
     tensors, tied = {}, {}
     for shard in sorted(set(weight_map.values())):
-        if os.path.basename(shard) != shard:
-            raise ValueError(f"{index_path}: shard {shard!r} is not a file name beside the index.")
         read = _read(os.path.join(directory, shard), device)
         names = {name for name, file in weight_map.items() if file == shard}
         stored = _stored_names(read.tensors)
@@ -342,6 +338,21 @@ def _read_model_files(filename: str, device) -> _Read:
         tensors.update(read.tensors)
         tied.update(read.tied)
     return _Read(tensors, tied)
+
+
+def read_index(index_path: str) -> dict[str, str]:
+    """The `weight_map` of a Hugging Face-style shard index (stored name -> shard file name beside it)."""
+    try:
+        with open(index_path) as index_file:
+            weight_map = json.load(index_file)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map names to shard file names")
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{index_path}: not a shard index ({error}).") from None
+    for shard in weight_map.values():
+        if os.path.basename(shard) != shard:
+            raise ValueError(f"{index_path}: shard {shard!r} is not a file name beside the index.")
+    return weight_map
 
 
 def _stored_names(tensors: dict[str, torch.Tensor]) -> set[str]:

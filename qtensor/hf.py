@@ -13,10 +13,10 @@ and exclusions: the model is exactly what `quantize_` makes of the same model bu
 
 from __future__ import annotations
 
+import copy
+import os
 import re
 from typing import Any, Callable
-
-import os
 
 import torch
 from transformers import Trainer
@@ -26,9 +26,10 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint, recipes
 from .optim import MasterWeights
-from .quantize import quantize_
-from .tensor import QuantizedTensor
+from .quantize import dequantize_, quantize_
+from .quantizer import decode_value, encode_value
 from .recipe import Recipe
+from .tensor import QuantizedTensor
 
 # The ready recipes a config names (qtensor.recipes): a name is what config.json can carry.
 RECIPES = (
@@ -72,7 +73,11 @@ class QTensorConfig(QuantizationConfigMixin):
         self.recipe = recipe
         self.weights = weights
         self.modules_to_not_convert = list(modules_to_not_convert or [])
-        self.recipe_options = dict(recipe_options or {})
+        # From config.json the options arrive in their JSON form ({"dtype": "float8_e5m2"}).
+        self.recipe_options = {
+            name: value if isinstance(value, torch.dtype) else decode_value(value, f"QTensorConfig.recipe_options[{name!r}]")
+            for name, value in (recipe_options or {}).items()
+        }
         self.filter_fn = filter_fn
         self.factory()  # a bad option raises here, not halfway through loading
 
@@ -89,16 +94,11 @@ class QTensorConfig(QuantizationConfigMixin):
             "recipe": self.recipe if isinstance(self.recipe, str) else repr(self.recipe),
             "weights": self.weights,
             "modules_to_not_convert": list(self.modules_to_not_convert),
-            "recipe_options": _jsonable(self.recipe_options),
+            "recipe_options": {name: encode_value(value) for name, value in self.recipe_options.items()},
         }
 
     def __repr__(self) -> str:
         return f"QTensorConfig({self.to_json_string(use_diff=False).strip()})"
-
-
-def _jsonable(options: dict) -> dict:
-    """Recipe options as JSON values (a dtype by its name, as torch writes it)."""
-    return {name: str(value).removeprefix("torch.") if hasattr(value, "is_floating_point") else value for name, value in options.items()}
 
 
 @register_quantizer("qtensor")
@@ -196,8 +196,10 @@ class QTensorTrainer(Trainer):
             self._load_from_checkpoint(checkpoint_dir)
 
     def optimizer_unwrapped(self):
-        """The optimizer `create_optimizer` made, under accelerate's wrapper."""
-        return getattr(self.optimizer, "optimizer", self.optimizer) if not isinstance(self.optimizer, MasterWeights) else self.optimizer
+        """The optimizer `create_optimizer` made, under accelerate's wrapper if `Trainer` added one."""
+        if isinstance(self.optimizer, MasterWeights):
+            return self.optimizer
+        return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = model if model is not None else self.model
@@ -211,10 +213,7 @@ def checkpoint_files(directory) -> list[str]:
     shards its `model.safetensors.index.json` names."""
     single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        import json
-
-        with open(index) as file:
-            return [os.path.join(directory, name) for name in sorted(set(json.load(file)["weight_map"].values()))]
+        return [os.path.join(directory, shard) for shard in sorted(set(checkpoint.read_index(index).values()))]
     if os.path.exists(single):
         return [single]
     raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json; not a save_pretrained directory.")
@@ -224,10 +223,6 @@ def export(model, directory, dtype: torch.dtype = torch.bfloat16, **save_pretrai
     """Write `model` as a plain `transformers` checkpoint that loads without qtensor: every weight
     its dequantized values (a dynamic weight its own values) in `dtype`, no quantization config, no
     running state. The model itself is left as it is (a copy is dequantized)."""
-    import copy
-
-    from .quantize import dequantize_
-
     plain = copy.deepcopy(model)
     dequantize_(plain)
     for attribute in ("hf_quantizer", "quantization_method", "qtensor_report"):

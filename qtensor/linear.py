@@ -24,7 +24,7 @@ from . import gemm, layer_state, running_state, sequence_parallel
 from .kernels import is_fake
 from .layer import LinearQuantizers
 from .numerics import reduce_amax_over
-from .quantizer import INPUT_DTYPES, Quantizer, fold_to_2d
+from .quantizer import INPUT_DTYPES, Quantizer, autocast_dtype, fold_to_2d
 from .storage import _buffer_names
 from .tensor import QuantizedTensor
 
@@ -73,9 +73,7 @@ def _input_operand(quantizer: Quantizer | None, x: torch.Tensor, x2d: torch.Tens
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    if not x.is_meta and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return torch.promote_types(x.dtype, weight.dtype)
+    return autocast_dtype(x) or torch.promote_types(x.dtype, weight.dtype)
 
 
 class SavedOperand(NamedTuple):

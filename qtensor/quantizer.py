@@ -270,6 +270,14 @@ def _format_value(value) -> str:
     return repr(value)
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast gives a linear's operands on `x`'s device, None outside autocast (a meta
+    tensor, shapes only, has none to ask)."""
+    if x.is_meta or not torch.is_autocast_enabled(x.device.type):
+        return None
+    return torch.get_autocast_dtype(x.device.type)
+
+
 # ---- JSON form (pickling and checkpoint metadata); only qtensor's own classes are rebuilt ----
 DTYPES_BY_NAME = {
     str(d).removeprefix("torch."): d

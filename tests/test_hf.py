@@ -79,13 +79,17 @@ def test_modules_to_not_convert_keeps_layers_in_high_precision(checkpoint):
     assert model.qtensor_report.quantized == expected.quantized
 
 
-def test_recipe_options_reach_the_recipe_and_config_json(tmp_path):
-    config = QTensorConfig(recipe="float8_delayed", recipe_options={"amax_history_len": 8})
+def test_recipe_options_reach_the_recipe_and_come_back_from_config_json():
+    config = QTensorConfig(recipe="float8_delayed", recipe_options={"amax_history_len": 8, "fp8_dtype": torch.float8_e5m2})
     assert config.factory().options["amax_history_len"] == 8
-    assert config.to_dict() == {
-        "quant_method": "qtensor", "recipe": "float8_delayed", "weights": "dynamic",
-        "modules_to_not_convert": [], "recipe_options": {"amax_history_len": 8},
+    written = json.loads(json.dumps(config.to_dict()))  # what config.json holds
+    assert written == {
+        "quant_method": "qtensor", "recipe": "float8_delayed", "weights": "dynamic", "modules_to_not_convert": [],
+        "recipe_options": {"amax_history_len": 8, "fp8_dtype": {"dtype": "float8_e5m2"}},
     }
+    again = QTensorConfig.from_dict(written)
+    assert again.recipe_options == {"amax_history_len": 8, "fp8_dtype": torch.float8_e5m2}
+    assert repr(again.factory()) == repr(config.factory())
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..quantizer import INPUT_DTYPES, Quantizer
+from ..quantizer import INPUT_DTYPES, Quantizer, autocast_dtype
 from ..storage import Buffer, Storage
 from ..tensor import QuantizedTensor
 
@@ -76,14 +76,7 @@ class IdentityQuantizer(Quantizer):
         return []
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
-        data = x.to(self.dtype or _autocast_dtype(x) or x.dtype, copy=True).contiguous()
+        data = x.to(self.dtype or autocast_dtype(x) or x.dtype, copy=True).contiguous()
         storage = IdentityStorage(direction="both", rows=x.shape[0], cols=x.shape[1], dtype=data.dtype, data=data)
         return (storage if rowwise else None), (storage if columnwise else None)
 
-
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast gives a linear's operands on `x`'s device, None outside autocast (a meta
-    tensor, shapes only, has none to ask)."""
-    if x.is_meta or not torch.is_autocast_enabled(x.device.type):
-        return None
-    return torch.get_autocast_dtype(x.device.type)
