@@ -122,14 +122,15 @@ def float8_rowwise_gw_hp(
     *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = True, fprop_fast_accumulation: bool = True
 ) -> ByTensorType:
     """`float8_rowwise` with the weight gradient in high precision: the input's and the gradient's
-    columnwise copies, which only dW = dYᵀ·X reads, keep their high-precision values (Identity);
-    the forward GEMM and the input gradient stay row-wise FP8."""
+    columnwise copies, which only dW = dYᵀ·X reads, keep their high-precision values (Identity, in
+    the autocast dtype under autocast, as `nn.Linear`'s operands); the forward GEMM and the input
+    gradient stay row-wise FP8."""
     return _rowwise(float8_rowwise_gw_hp, fp8_dtype, pow2_scales, fprop_fast_accumulation, high_precision_wgrad=True)
 
 
 def _rowwise(recipe, fp8_dtype, pow2_scales: bool, fprop_fast_accumulation: bool, high_precision_wgrad: bool) -> ByTensorType:
     row = lambda: Float8BlockQuantizer(fp8_dtype, block_rows=1, block_cols=None, pow2_scales=pow2_scales)
-    activation = (lambda: HybridQuantizer(row(), IdentityQuantizer())) if high_precision_wgrad else row
+    activation = (lambda: HybridQuantizer(row(), IdentityQuantizer("autocast"))) if high_precision_wgrad else row
     given = dict(fp8_dtype=fp8_dtype, pow2_scales=pow2_scales, fprop_fast_accumulation=fprop_fast_accumulation)
     return ByTensorType(
         recipe.__name__, input=activation, weight=row, grad_output=activation,

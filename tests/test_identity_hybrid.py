@@ -36,6 +36,19 @@ def test_identity_dequantize_is_the_input_cast_to_its_dtype(inputs, dtype, targe
     oracle.assert_same_bits(default, oracle.round_to_dtype(stored, dtype), "dequantize()")
 
 
+@pytest.mark.parametrize("target", [None, "autocast"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_identity_follows_autocast_only_when_asked(inputs, target, autocast):
+    """`dtype="autocast"` stores the autocast dtype's rounding under autocast and the input itself
+    outside; no dtype stores the input's dtype under autocast too (docs/numerics.md, Identity)."""
+    x = inputs.make("special", (8, 64), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        q = qtensor.IdentityQuantizer(dtype=target).quantize(x)
+    stored_dtype = torch.bfloat16 if (target == "autocast" and autocast) else torch.float32
+    assert q.rowwise.data.dtype == stored_dtype
+    oracle.assert_same_bits(q.rowwise.data, oracle.round_to_dtype(oracle.as_f32(x), stored_dtype), "stored data")
+
+
 # ---- hybrid --------------------------------------------------------------------------------------
 
 

@@ -60,23 +60,27 @@ class IdentityTensor(QuantizedTensor):
 
 
 class IdentityQuantizer(Quantizer):
-    """Stores `x` unchanged, cast to `dtype` when one is given; with no `dtype`, under autocast it
-    keeps the autocast dtype's values, as `nn.Linear` casts its operands (a high-precision weight
-    gradient in a bf16-autocast model is a bf16 GEMM, as the unquantized layer's)."""
+    """Stores `x` unchanged, cast to `dtype` when one is given. `dtype="autocast"`: cast to the
+    autocast dtype while autocast is on for `x`'s device (as `nn.Linear` casts its operands there),
+    else kept in `x`'s dtype: `float8_rowwise_gw_hp`'s high-precision copies, so that its weight
+    gradient in a bf16-autocast model is a bf16 GEMM, as the unquantized layer's."""
 
     format_name = "identity"
     tensor_class = IdentityTensor
 
-    def __init__(self, dtype: torch.dtype | None = None):
-        if dtype is not None and dtype not in INPUT_DTYPES:
-            raise ValueError(f"IdentityQuantizer: dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype}.")
+    def __init__(self, dtype: torch.dtype | str | None = None):
+        if dtype is not None and dtype != "autocast" and dtype not in INPUT_DTYPES:
+            raise ValueError(
+                f"IdentityQuantizer: dtype must be None, torch.float32, torch.bfloat16, torch.float16 or 'autocast', got {dtype}."
+            )
         self.dtype = dtype
 
     def tensor_amaxes(self, x, rowwise, columnwise):
         return []
 
     def _quantize_2d(self, x, rowwise, columnwise, *, update_state=True):
-        data = x.to(self.dtype or autocast_dtype(x) or x.dtype, copy=True).contiguous()
+        dtype = (autocast_dtype(x) if self.dtype == "autocast" else self.dtype) or x.dtype
+        data = x.to(dtype, copy=True).contiguous()
         storage = IdentityStorage(direction="both", rows=x.shape[0], cols=x.shape[1], dtype=data.dtype, data=data)
         return (storage if rowwise else None), (storage if columnwise else None)
 
