@@ -125,8 +125,7 @@ def load_model(model: nn.Module, filename, strict: bool = True, device=None) -> 
 
 
 def load_model_files(model: nn.Module, filenames, strict: bool = True, device=None) -> tuple[list[str], list[str]]:
-    """`load_model` from shards a writer split itself (`state_for_writer`'s tensors and metadata,
-    as `transformers`' `save_pretrained` writes them): `filenames` are all of them."""
+    """`load_model` from all the shards of a writer that split `state_for_writer`'s output itself."""
     filenames = [os.fspath(f) for f in filenames]
     return _load_read(model, _read_files(filenames, device or "cpu"), strict, f"load_model_files({filenames[0]!r}, ...)")
 
@@ -170,10 +169,7 @@ def _entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]
 
 def _header(described: dict, tied: dict[str, str]) -> str:
     """The `qtensor` metadata entry: the quantized tensors' descriptions and the tied names."""
-    header = {"version": FORMAT_VERSION, "tensors": described}
-    if tied:
-        header["tied"] = tied
-    return json.dumps(header, sort_keys=True)
+    return json.dumps({"version": FORMAT_VERSION, "tensors": described, **({"tied": tied} if tied else {})}, sort_keys=True)
 
 
 def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> None:
