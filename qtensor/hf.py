@@ -13,6 +13,7 @@ and exclusions: the model is exactly what `quantize_` makes of the same model bu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -20,13 +21,14 @@ from typing import Any, Callable
 
 import torch
 from transformers import Trainer
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint, recipes
 from .optim import MasterWeights
-from .quantize import dequantize_, quantize_
+from .quantize import dequantize_, fill_weight, quantize_, running_state
 from .quantizer import decode_value, encode_value
 from .recipe import Recipe
 from .tensor import QuantizedTensor
@@ -103,40 +105,66 @@ class QTensorConfig(QuantizationConfigMixin):
 
 @register_quantizer("qtensor")
 class QTensorHfQuantizer(HfQuantizer):
-    """Runs `qtensor.quantize_` on the model `from_pretrained` loaded. Nothing is quantized while the
-    checkpoint is read (`param_needs_quantization` is False for every tensor): the model is loaded
-    in the checkpoint's precision, then quantized in place."""
+    """Runs `qtensor.quantize_` for `from_pretrained`.
+
+    - A plain checkpoint: the model `transformers` builds on the meta device is `quantize_`'d before
+      any weight is read, and each linear layer's weight is then cast as it is loaded
+      (`_FillQuantizedWeight`): the plain weights are never all in memory at once.
+    - A checkpoint `save_pretrained` wrote from a quantized model: the model is loaded in the
+      checkpoint's precision, `quantize_`'d, then given the saved quantized tensors and running state.
+    """
 
     requires_calibration = False
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        return False
+        """True for the weight of a layer quantize_ prepared: its checkpoint tensor is cast on load."""
+        module_path, _, attribute = param_name.rpartition(".")
+        try:
+            module = model.get_submodule(module_path)
+        except AttributeError:
+            return False
+        return attribute in module.__dict__.get("_qtensor_layers", {})
+
+    def get_quantize_ops(self):
+        return _FillQuantizedWeight()
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if not checkpoint_files:
+            raise ValueError("qtensor: from_pretrained with a QTensorConfig reads safetensors files; none were found.")
+        self.checkpoint_files = list(checkpoint_files)
+        stored = set()
+        for filename in self.checkpoint_files:
+            stored.update(checkpoint.read_header(filename)[0])
         if self.pre_quantized:
             # The checkpoint holds qtensor's tensors (a quantized weight as its buffers, running
             # state) where the plain model has plain weights: transformers reads what matches and
             # is told not to report the rest, which _process_model_after_weight_loading restores.
-            if not checkpoint_files:
-                raise ValueError("qtensor: a quantized checkpoint loads from its safetensors files; none were found.")
-            self.checkpoint_files = list(checkpoint_files)
-            stored = set()
-            for filename in self.checkpoint_files:
-                stored.update(checkpoint.read_header(filename)[0])
             expected = set(model.state_dict())
             exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(stored - expected)
             model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact(expected - stored)
+            return model
+        # transformers ties weights only after loading: tie now what it will tie, so that quantize_
+        # leaves tied layers in high precision, as it does on the loaded model.
+        _tie_as_loading_will(model, stored)
+        # The quantizers' running state is made as quantize_ makes it outside from_pretrained (on
+        # the CPU, in fp32), not on the meta device in the checkpoint's dtype.
+        with torch.device("cpu"), _default_dtype(torch.float32):
+            model.qtensor_report = self._quantize(model)
+        _check_weights_stored(model, stored)
         return model
 
-    def _process_model_after_weight_loading(self, model, **kwargs):
+    def _quantize(self, model):
         config = self.quantization_config
-        model.qtensor_report = quantize_(
-            model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn
-        )
-        if self.pre_quantized:  # the quantized weights' bytes and the running state, as saved
-            device = next(model.parameters()).device
-            checkpoint.load_model_files(model, self.checkpoint_files, strict=True, device=device)
+        return quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn)
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if not self.pre_quantized:
+            return model
+        model.qtensor_report = self._quantize(model)
+        # The quantized weights' bytes and the running state, as saved.
+        device = next(model.parameters()).device
+        checkpoint.load_model_files(model, self.checkpoint_files, strict=True, device=device)
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -164,6 +192,63 @@ class QTensorHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+class _FillQuantizedWeight(ConversionOps):
+    """The load step for a weight of a layer quantize_ prepared on the meta device: the checkpoint's
+    plain tensor is cast into the layer's weight as it arrives (`qtensor.quantize.fill_weight`)."""
+
+    def convert(self, input_dict, full_layer_name=None, model=None, missing_keys=None, **kwargs):
+        (value,) = input_dict.values()
+        value = value[0] if isinstance(value, list) else value
+        module_path, _, attribute = full_layer_name.rpartition(".")
+        module = model.get_submodule(module_path)
+        parameter = fill_weight(module, attribute, value)
+        if missing_keys is not None:  # the layer's running state starts where quantize_ starts it
+            prefix = f"{module_path}." if module_path else ""
+            missing_keys.difference_update(prefix + suffix for suffix in running_state(module))
+        return {full_layer_name: parameter}
+
+
+def _stored(model, stored: set[str]):
+    """Whether a model's state_dict key is in the checkpoint (saved with or without the base model's prefix)."""
+    prefix = f"{model.base_model_prefix}."
+    return lambda key: key in stored or key.removeprefix(prefix) in stored or prefix + key in stored
+
+
+def _tie_as_loading_will(model, stored: set[str]) -> None:
+    """Tie on the meta model the weights `from_pretrained` ties after loading: each pair of
+    `all_tied_weights_keys` unless the checkpoint holds both (then transformers keeps both)."""
+    present = _stored(model, stored)
+    for target, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if not (present(target) and present(source)):
+            module_path, _, name = target.rpartition(".")
+            setattr(model.get_submodule(module_path), name, model.get_parameter(source))
+
+
+def _check_weights_stored(model, stored: set[str]) -> None:
+    present = _stored(model, stored)
+    absent = [
+        f"{name}.{attribute}" if name else attribute
+        for name, module in model.named_modules()
+        for attribute in module.__dict__.get("_qtensor_layers", {})
+        if not present(f"{name}.{attribute}" if name else attribute)
+    ]
+    if absent:
+        raise ValueError(
+            f"qtensor: the checkpoint holds no weight for {absent}, which the QTensorConfig quantizes; "
+            "keep those layers in high precision with modules_to_not_convert, or load a checkpoint that has them."
+        )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class QTensorTrainer(Trainer):

@@ -436,6 +436,17 @@ def _install_weight(module: nn.Module, attribute: str, linear: LinearQuantizers,
         setattr(module, attribute, nn.Parameter(DynamicWeight(weight.detach(), linear), requires_grad=requires_grad))
 
 
+def fill_weight(module: nn.Module, attribute: str, value: torch.Tensor) -> nn.Parameter:
+    """Make `value`, a checkpoint's plain weight, the weight of a layer quantize_'d on the meta device,
+    as quantize_ would have made it from that weight: a loader that fills such a model one weight at
+    a time (qtensor.hf) never holds the whole plain model. Returns the new parameter."""
+    linear, weights = module._qtensor_layers[attribute]
+    placeholder = getattr(module, attribute)
+    setattr(module, attribute, nn.Parameter(value.to(placeholder.dtype), requires_grad=placeholder.requires_grad))
+    _install_weight(module, attribute, linear, weights)
+    return getattr(module, attribute)
+
+
 def dequantize_(model: nn.Module) -> None:
     """Turn every quantized layer of `model` back into plain high-precision parameters, in the
     layout each module keeps (a Conv1D's [in, out])."""

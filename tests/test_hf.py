@@ -49,10 +49,62 @@ def test_from_pretrained_quantizes_as_quantize_does(checkpoint, recipe, weights)
     expected, expected_report = _by_hand(path, recipe, weights)
     assert model.qtensor_report.quantized == expected_report.quantized and len(expected_report.quantized) > 0
     assert model.qtensor_report.skipped == expected_report.skipped  # tied embeddings and lm_head as quantize_ leaves them
+    before, after = _bytes(expected), _bytes(model)  # quantized weights and running state (a delayed weight's first amax)
+    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
     tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, expected(tokens).logits)
     assert model.config.quantization_config.to_dict()["recipe"] == recipe
+
+
+_PEAK_SCRIPT = """
+import sys, threading, time, torch, transformers, qtensor, qtensor.hf
+
+def anonymous_bytes():  # the process's anonymous resident memory (a loaded checkpoint's mmap'd pages are not)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+peak, done = [anonymous_bytes()], threading.Event()
+start = peak[0]
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anonymous_bytes())
+        time.sleep(0.0005)
+
+sampler = threading.Thread(target=sample)
+sampler.start()
+config = qtensor.hf.QTensorConfig(recipe="nvfp4", weights="quantized")
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, quantization_config=config)
+done.set()
+sampler.join()
+stored, _ = qtensor.checkpoint.state_for_writer(model)
+print(peak[0] - start, sum(t.numel() * t.element_size() for t in stored.values()))
+"""
+
+
+def test_from_pretrained_never_holds_the_plain_model(tmp_path):
+    """Quantized weights are cast one by one as they load: the peak is the quantized model plus a
+    few weights' worth, below the bf16 model that loading first and quantize_'ing after would hold."""
+    import os
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=512, intermediate_size=1408, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)  # fp32, on disk; loaded as bf16 (anonymous memory)
+    plain_bf16 = sum(p.numel() * 2 for p in model.parameters())
+    model.save_pretrained(tmp_path)
+    del model
+    # Large allocations straight from mmap, so that a freed tensor leaves the resident set at once.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak, quantized = map(int, result.stdout.split()[-2:])
+    assert quantized < 0.6 * plain_bf16  # NVFP4, both directions
+    assert peak < quantized + 0.25 * plain_bf16, (peak / 2**20, quantized / 2**20, plain_bf16 / 2**20)
 
 
 def test_the_loaded_model_trains(checkpoint):
