@@ -269,3 +269,84 @@ def test_export_writes_a_plain_checkpoint_transformers_loads_without_qtensor(che
             assert torch.equal(loaded[name], expected), name
     quantized_weights = [name + ".weight" for name in model.qtensor_report.quantized]
     assert all(name in loaded and loaded[name].dtype == torch.bfloat16 for name in quantized_weights), quantized_weights
+
+
+FP8_CONFIGS = {  # every projection whole 128x128 blocks (or a single partial one), as DeepSeek-V3's are
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    ),
+}
+FP8_BLOCKS = {"float8_current": [128, 128], "float8_delayed": [128, 128], "float8_blockwise": [128, 128], "float8_rowwise": [1, 128]}
+
+
+def _forward_weight(module) -> "qtensor.QuantizedTensor":
+    """The quantized weight a layer's forward GEMM reads (a dynamic weight cast by its quantizer)."""
+    weight = module.weight
+    if isinstance(weight, qtensor.QuantizedTensor):
+        return weight
+    return module._qtensor_layers["weight"][0].weight.quantize(weight.plain().detach(), rowwise=True, columnwise=False)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", list(FP8_BLOCKS))
+@pytest.mark.parametrize("name", list(FP8_CONFIGS))
+def test_fp8_export_is_the_fine_grained_layout_transformers_loads(name, recipe, weights, tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(FP8_CONFIGS[name]()).save_pretrained(tmp_path / "plain")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=QTensorConfig(recipe=recipe, weights=weights))
+    if weights == "dynamic" and recipe == "float8_delayed":  # one step, so that the histories hold amaxes
+        tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(4))
+        model(tokens, labels=tokens).loss.backward()
+    qtensor.hf.export(model, tmp_path / "fp8", fp8=True)
+
+    written = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    block = FP8_BLOCKS[recipe]
+    assert written["quant_method"] == "fp8" and written["weight_block_size"] == block
+    assert sorted(written["modules_to_not_convert"]) == sorted(model.qtensor_report.skipped.keys() & {"lm_head"})
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    quantized = {layer: model.get_submodule(layer) for layer in model.qtensor_report.quantized}
+    for layer, module in quantized.items():
+        expected = _forward_weight(module)
+        data, scale_inv = stored[f"{layer}.weight"], stored[f"{layer}.weight_scale_inv"]
+        assert data.dtype == torch.float8_e4m3fn and torch.equal(data.view(torch.uint8), expected.rowwise.data.view(torch.uint8))
+        # Each block's values times its scale are the quantized layer's values (fp32, as qtensor dequantizes).
+        rows, cols = data.shape
+        per_element = scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        assert torch.equal(data.float() * per_element, expected.dequantize().float()), layer
+
+    # transformers' own loader reads it (on a CPU it dequantizes the FP8 weights to bf16).
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
+    for layer, module in quantized.items():
+        assert torch.equal(loaded.get_submodule(layer).weight, _forward_weight(module).dequantize().to(torch.bfloat16)), layer
+
+
+@pytest.mark.parametrize("case, message", [
+    ("mxfp8", "its forward weight is mxfp8, not Float8"),
+    ("e5m2", "the layout holds float8_e4m3fn"),
+    ("gpt2", "Conv1D: transformers' FP8 loader converts nn.Linear layers only"),
+    ("partial", "are not whole 128x128 blocks"),
+])
+def test_fp8_export_refuses_what_the_layout_cannot_hold_exactly(case, message, tmp_path):
+    configs = {
+        "gpt2": CONFIGS["gpt2"],
+        "partial": lambda: transformers.LlamaConfig(
+            vocab_size=256, hidden_size=256, intermediate_size=320, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        ),
+    }
+    transformers.AutoModelForCausalLM.from_config(configs.get(case, FP8_CONFIGS["llama"])()).save_pretrained(tmp_path / "plain")
+    config = {
+        "mxfp8": QTensorConfig(recipe="mxfp8"),
+        "e5m2": QTensorConfig(recipe="float8_current", recipe_options={"fp8_dtype": torch.float8_e5m2}),
+    }.get(case, QTensorConfig(recipe="float8_current"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=config)
+    with pytest.raises(ValueError, match=message):
+        qtensor.hf.export(model, tmp_path / "fp8", fp8=True)
+    assert not (tmp_path / "fp8").exists()
