@@ -35,22 +35,11 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 # safetensors dtype codes this library reads: name -> (torch dtype, bytes per element)
 SAFETENSORS_DTYPES = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2), "I8": (torch.int8, 1),
+    "U64": (torch.uint64, 8), "U32": (torch.uint32, 4), "U16": (torch.uint16, 2), "U8": (torch.uint8, 1),
     "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "F8_E8M0": (torch.float8_e8m0fnu, 1),
-    "U16": (torch.uint16, 2),
-    "U32": (torch.uint32, 4),
-    "U64": (torch.uint64, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1), "F8_E8M0": (torch.float8_e8m0fnu, 1),
 }
 
 
@@ -124,19 +113,20 @@ def load_model(model: nn.Module, filename, strict: bool = True, device=None) -> 
     return _load_read(model, _read_model_files(os.fspath(filename), device or "cpu"), strict, f"load_model({filename!r})")
 
 
-def load_model_files(model: nn.Module, filenames, strict: bool = True, device=None) -> tuple[list[str], list[str]]:
-    """`load_model` from all the shards of a writer that split `state_for_writer`'s output itself."""
+def load_model_files(model: nn.Module, filenames, strict: bool = True, device=None, keys=None) -> tuple[list[str], list[str]]:
+    """`load_model` from all the shards of a writer that split `state_for_writer`'s output itself;
+    with `keys`, only those state_dict entries are read and restored (strict: all of them)."""
     filenames = [os.fspath(f) for f in filenames]
-    return _load_read(model, _read_files(filenames, device or "cpu"), strict, f"load_model_files({filenames[0]!r}, ...)")
+    return _load_read(model, _read_files(filenames, device or "cpu", keys), strict, f"load_model_files({filenames[0]!r}, ...)", keys)
 
 
-def _load_read(model: nn.Module, read: _Read, strict: bool, source: str) -> tuple[list[str], list[str]]:
+def _load_read(model: nn.Module, read: _Read, strict: bool, source: str, keys=None) -> tuple[list[str], list[str]]:
     loaded = dict(read.tensors)
     # A weight saved once for several tied names serves each of them.
     for alias, kept in read.tied.items():
         if kept in loaded:
             loaded.setdefault(alias, loaded[kept])
-    expected = model.state_dict()
+    expected = {key: value for key, value in model.state_dict().items() if keys is None or key in keys}
     missing = [key for key in expected if key not in loaded]
     unexpected = [key for key in loaded if key not in expected and key not in read.tied]
     if strict and (missing or unexpected):
@@ -419,7 +409,7 @@ def _read(filename, device) -> _Read:
     return _read_files([os.fspath(filename)], device)
 
 
-def _read_files(filenames: list[str], device) -> _Read:
+def _read_files(filenames: list[str], device, keys=None) -> _Read:
     """The tensors of one or more files under one qtensor description. One file: `save_file` /
     `save_model`'s. Several: the shards of a writer that splits the state itself (`transformers`'
     `save_pretrained`, `qtensor.hf`), each carrying the whole model's description in its metadata,
@@ -448,6 +438,8 @@ def _read_files(filenames: list[str], device) -> _Read:
             plain.append(name)
         else:
             groups[owner][name[len(owner) + 1 :]] = name
+    if keys is not None:  # read only these entries
+        groups, plain = {key: names for key, names in groups.items() if key in keys}, [name for name in plain if name in keys]
     # Check every quantized tensor against its declared layouts on meta tensors: no data read yet.
     for key, names in groups.items():
         meta = {buffer: _meta_tensor(header[name], device) for buffer, name in names.items()}

@@ -136,13 +136,15 @@ class QTensorHfQuantizer(HfQuantizer):
         for filename in self.checkpoint_files:
             stored.update(checkpoint.read_header(filename)[0])
         if self.pre_quantized:
-            # The checkpoint holds qtensor's tensors (a quantized weight as its buffers, running
-            # state) where the plain model has plain weights: transformers reads what matches and
-            # is told not to report the rest, which _process_model_after_weight_loading restores.
-            expected = set(model.state_dict())
+            # The checkpoint holds qtensor's entries (a quantized weight as its buffers, running
+            # state) where the plain model has plain weights: transformers loads the rest and is
+            # told not to report those, which _process_model_after_weight_loading restores.
+            with torch.device("cpu"), _default_dtype(torch.float32):
+                entries = _qtensor_entries(self._quantize(copy.deepcopy(model))[1])
+            owned = {name for name in stored if any(name == key or name.startswith(f"{key}.") for key in entries)}
             exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
-            model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(stored - expected)
-            model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact(expected - stored)
+            model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(owned)
+            model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact(entries - stored)
             return model
         # transformers ties weights only after loading: tie now what it will tie, so that quantize_
         # leaves tied layers in high precision, as it does on the loaded model.
@@ -150,21 +152,24 @@ class QTensorHfQuantizer(HfQuantizer):
         # The quantizers' running state is made as quantize_ makes it outside from_pretrained (on
         # the CPU, in fp32), not on the meta device in the checkpoint's dtype.
         with torch.device("cpu"), _default_dtype(torch.float32):
-            model.qtensor_report = self._quantize(model)
+            model.qtensor_report, _ = self._quantize(model)
         _check_weights_stored(model, stored)
         return model
 
     def _quantize(self, model):
+        """quantize_ with the config: (the report, the model)."""
         config = self.quantization_config
-        return quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn)
+        report = quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn)
+        return report, model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
             return model
-        model.qtensor_report = self._quantize(model)
-        # The quantized weights' bytes and the running state, as saved.
+        model.qtensor_report, _ = self._quantize(model)
+        # The quantized weights' bytes and the running state, as saved (the rest transformers loaded,
+        # through the model's own key conversions).
         device = next(model.parameters()).device
-        checkpoint.load_model_files(model, self.checkpoint_files, strict=True, device=device)
+        checkpoint.load_model_files(model, self.checkpoint_files, strict=True, device=device, keys=_qtensor_entries(model))
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -208,6 +213,17 @@ class _FillQuantizedWeight(ConversionOps):
             prefix = f"{module_path}." if module_path else ""
             missing_keys.difference_update(prefix + suffix for suffix in running_state(module))
         return {full_layer_name: parameter}
+
+
+def _qtensor_entries(model) -> set[str]:
+    """The state_dict keys qtensor owns: each quantized layer's weight and its running state."""
+    entries = set()
+    for name, module in model.named_modules():
+        if "_qtensor_layers" in module.__dict__:
+            prefix = f"{name}." if name else ""
+            entries.update(prefix + attribute for attribute in module._qtensor_layers)
+            entries.update(prefix + suffix for suffix in running_state(module))
+    return entries
 
 
 def _stored(model, stored: set[str]):

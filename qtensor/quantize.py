@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -118,11 +119,12 @@ def quantize_(
     parameters, quantized at use; `weights="quantized"` makes each parameter the quantized tensor
     (train it through `qtensor.optim.MasterWeights`).
 
-    The report names every 2-D parameter: quantized, or skipped with the reason (filtered out, the
-    factory chose high precision, shapes a format cannot take, tied weights, an embedding table, a
-    layer type qtensor does not quantize, a parameter that is not a layer's weight). With
-    `strict=True` nothing is changed and a ValueError names every linear layer that cannot be
-    quantized (shapes, tied weights) and every `weight` matrix of a layer type qtensor does not know.
+    The report names every parameter of two or more dimensions: quantized, or skipped with the
+    reason (filtered out, the factory chose high precision, shapes a format cannot take, tied
+    weights, an embedding table, a layer type qtensor does not quantize, a stack of expert matrices,
+    a parameter that is not a layer's weight). With `strict=True` nothing is changed and a
+    ValueError names every linear layer that cannot be quantized (shapes, tied weights), every
+    `weight` matrix of a layer type qtensor does not know and every stack of expert matrices.
 
     `exclude`: names or glob patterns of layers, or of modules whose layers all stay, to keep in high
     precision (`"lm_head"`, `"layers.*.attention"`), as `filter_fn` returning False would; one that
@@ -225,17 +227,26 @@ def _matches(pattern: str, layer: str, module_name: str) -> bool:
 
 
 def _other_weight_matrices(model: nn.Module, seen: set) -> dict[str, tuple[str, bool]]:
-    """Every 2-D parameter that no linear site accounts for: layer → (why it stays in high
-    precision, whether that is certain to be harmless). A `weight` matrix of a module type qtensor
-    does not know is most likely multiplied (a linear layer under another name) and is not harmless;
-    an embedding table is looked up, and another parameter (a learned position table) cannot be
-    told apart from data that is added rather than multiplied."""
+    """Every parameter of two or more dimensions that no linear site accounts for: layer → (why it
+    stays in high precision, whether that is certain to be harmless). A `weight` matrix of a module
+    type qtensor does not know is most likely multiplied (a linear layer under another name), and a
+    stack of matrices (a mixture of experts' fused weights) is multiplied by a grouped GEMM: neither
+    is harmless. An embedding table is looked up, and another 2-D parameter (a learned position
+    table) cannot be told apart from data that is added rather than multiplied."""
     found = {}
     for module_name, module in model.named_modules():
         for attribute, param in module.named_parameters(recurse=False):
-            if param.dim() != 2 or (id(module), attribute) in seen:
+            if param.dim() < 2 or (id(module), attribute) in seen:
                 continue
-            if isinstance(module, _EMBEDDINGS):
+            if param.dim() > 2:
+                *stack, rows, cols = param.shape
+                found[_join(module_name, attribute)] = (
+                    f"a stack of {math.prod(stack)} [{rows}, {cols}] matrices in {type(module).__name__} (fused "
+                    "experts, multiplied by a grouped GEMM): qtensor quantizes 2-D linear weights, so it stays in "
+                    "high precision",
+                    False,
+                )
+            elif isinstance(module, _EMBEDDINGS):
                 found[module_name] = ("an embedding table: a lookup, not a matrix multiplication", True)
             elif attribute == "weight":
                 found[module_name] = (

@@ -21,6 +21,14 @@ CONFIGS = {
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
     ),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64),
+    "mistral": lambda: transformers.MistralConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=16,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+    ),
 }
 
 
@@ -105,6 +113,20 @@ def test_from_pretrained_never_holds_the_plain_model(tmp_path):
     peak, quantized = map(int, result.stdout.split()[-2:])
     assert quantized < 0.6 * plain_bf16  # NVFP4, both directions
     assert peak < quantized + 0.25 * plain_bf16, (peak / 2**20, quantized / 2**20, plain_bf16 / 2**20)
+
+
+def test_mixtral_expert_stacks_are_named_as_left_in_high_precision(tmp_path):
+    """Mixtral's experts are fused [experts, rows, cols] parameters multiplied by a grouped GEMM, not
+    linear layers: the report says they stay in high precision, and strict=True refuses them."""
+    path = tmp_path / "mixtral"
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe="mxfp8"))
+    stacks = {layer: reason for layer, reason in model.qtensor_report.skipped.items() if "experts." in layer}
+    assert set(stacks) == {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
+    assert all("stack of 4" in reason and "high precision" in reason for reason in stacks.values())
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError, match="experts.gate_up_proj"):
+        qtensor.quantize_(plain, qtensor.recipes.mxfp8(), strict=True)
 
 
 def test_the_loaded_model_trains(checkpoint):
