@@ -28,7 +28,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint, recipes
 from .optim import MasterWeights
-from .quantize import dequantize_, fill_weight, quantize_, running_state
+from .quantize import dequantize_, fill_weight, quantize_, running_state, save_running_state
 from .quantizer import decode_value, encode_value
 from .recipe import Recipe
 from .tensor import QuantizedTensor
@@ -128,6 +128,14 @@ class QTensorHfQuantizer(HfQuantizer):
     def get_quantize_ops(self):
         return _FillQuantizedWeight()
 
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        """Bytes per element as loaded (what transformers reserves on the GPU before loading): a
+        quantized weight's own buffers, not its high-precision dtype's."""
+        if isinstance(param, QuantizedTensor):
+            buffers = param.buffer_dict(quantizer_state=False)
+            return sum(buffer.numel() * buffer.element_size() for buffer in buffers.values()) / param.numel()
+        return super().param_element_size(model, param_name, param)
+
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if not checkpoint_files:
             raise ValueError("qtensor: from_pretrained with a QTensorConfig reads safetensors files; none were found.")
@@ -154,6 +162,7 @@ class QTensorHfQuantizer(HfQuantizer):
         with torch.device("cpu"), _default_dtype(torch.float32):
             model.qtensor_report, _ = self._quantize(model)
         _check_weights_stored(model, stored)
+        save_running_state(model, False)  # until loaded: transformers places what state_dict() lists
         return model
 
     def _quantize(self, model):
@@ -164,6 +173,7 @@ class QTensorHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
+            save_running_state(model, True)
             return model
         model.qtensor_report, _ = self._quantize(model)
         # The quantized weights' bytes and the running state, as saved (the rest transformers loaded,
@@ -203,16 +213,12 @@ class _FillQuantizedWeight(ConversionOps):
     """The load step for a weight of a layer quantize_ prepared on the meta device: the checkpoint's
     plain tensor is cast into the layer's weight as it arrives (`qtensor.quantize.fill_weight`)."""
 
-    def convert(self, input_dict, full_layer_name=None, model=None, missing_keys=None, **kwargs):
+    def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
         (value,) = input_dict.values()
         value = value[0] if isinstance(value, list) else value
         module_path, _, attribute = full_layer_name.rpartition(".")
         module = model.get_submodule(module_path)
-        parameter = fill_weight(module, attribute, value)
-        if missing_keys is not None:  # the layer's running state starts where quantize_ starts it
-            prefix = f"{module_path}." if module_path else ""
-            missing_keys.difference_update(prefix + suffix for suffix in running_state(module))
-        return {full_layer_name: parameter}
+        return {full_layer_name: fill_weight(module, attribute, value)}
 
 
 def _qtensor_entries(model) -> set[str]:

@@ -383,6 +383,8 @@ def _save_layer_state(module, state_dict, prefix, local_metadata) -> None:
     for attribute in module._qtensor_layers:
         if prefix + attribute in state_dict:
             state_dict[prefix + attribute] = _load_target(plain_weight(state_dict[prefix + attribute]))
+    if not module.__dict__.get("_qtensor_running_state_saved", True):
+        return
     for suffix, buffer in running_state(module).items():
         state_dict[prefix + suffix] = buffer.detach()
 
@@ -445,6 +447,16 @@ def _install_weight(module: nn.Module, attribute: str, linear: LinearQuantizers,
         setattr(module, attribute, nn.Parameter(quantized, requires_grad=requires_grad))
     else:
         setattr(module, attribute, nn.Parameter(DynamicWeight(weight.detach(), linear), requires_grad=requires_grad))
+
+
+def save_running_state(model: nn.Module, saved: bool) -> None:
+    """Whether `model.state_dict()` carries its quantized layers' running state (it does unless
+    told otherwise). A loader that fills a model quantize_'d on the meta device from a plain
+    checkpoint (qtensor.hf) leaves it out while it loads: quantize_ made that state, the checkpoint
+    holds none, and it is not a parameter or buffer the loader could place."""
+    for module in model.modules():
+        if "_qtensor_layers" in module.__dict__:
+            module._qtensor_running_state_saved = saved
 
 
 def fill_weight(module: nn.Module, attribute: str, value: torch.Tensor) -> nn.Parameter:

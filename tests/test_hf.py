@@ -372,3 +372,18 @@ def test_fp8_export_refuses_what_the_layout_cannot_hold_exactly(case, message, t
     with pytest.raises(ValueError, match=message):
         qtensor.hf.export(model, tmp_path / "fp8", fp8=True)
     assert not (tmp_path / "fp8").exists()
+
+
+def test_from_pretrained_with_a_device_map(checkpoint):
+    """device_map makes transformers reserve memory for what the model's state_dict lists before
+    loading: a quantized weight counts its own bytes, and the running state (quantize_'s, not the
+    checkpoint's) is left out of that list until loaded."""
+    _, path = checkpoint
+    config = QTensorConfig(recipe="float8_delayed", weights="quantized")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map="cpu", quantization_config=config)
+    expected, _ = _by_hand(path, "float8_delayed", "quantized")
+    before, after = _bytes(expected), _bytes(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
+    weight = next(p for p in model.parameters() if isinstance(p, qtensor.QuantizedTensor))
+    size = model.hf_quantizer.param_element_size(model, "", weight)
+    assert size == 2 + 4 / weight.numel()  # E4M3 both directions and one fp32 scale, not fp32's 4 bytes
