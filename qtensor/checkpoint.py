@@ -433,7 +433,7 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
     groups: dict[str, dict[str, str]] = {key: {} for key in description["tensors"]}
     plain = []
     for name in header:
-        owner = next((key for key in _prefixes(name) if key in groups), None)
+        owner = next((key for key in entry_prefixes(name) if key in groups), None)
         if owner is None:
             plain.append(name)
         else:
@@ -459,7 +459,7 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
     return _Read(tensors, description["tied"])
 
 
-def _prefixes(name: str):
+def entry_prefixes(name: str):
     """"a.b.c.d" -> "a.b.c", "a.b", "a": the keys whose buffers a stored name could be."""
     parts = name.split(".")
     return (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))

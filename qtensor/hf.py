@@ -6,9 +6,10 @@
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=qtensor.hf.QTensorConfig(recipe="mxfp8"))
     model.qtensor_report  # what quantize_ did, layer by layer
 
-`from_pretrained` loads the checkpoint as usual (built on the meta device, then filled), and the
-quantizer then calls `qtensor.quantize_` on the loaded model with the config's recipe, weight mode
-and exclusions: the model is exactly what `quantize_` makes of the same model built by hand.
+`from_pretrained` builds the model on the meta device, as usual; the quantizer runs
+`qtensor.quantize_` on it there with the config's recipe, weight mode and exclusions, and each
+linear weight is then cast as it loads: the model is exactly what `quantize_` makes of the same
+checkpoint loaded by hand, without the plain model ever being in memory.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint, recipes
 from .optim import MasterWeights
-from .quantize import dequantize_, fill_weight, quantize_, running_state, save_running_state
+from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, running_state, save_running_state
 from .quantizer import decode_value, encode_value
 from .recipe import Recipe
 from .tensor import QuantizedTensor
@@ -38,7 +39,6 @@ RECIPES = (
     "float8_current", "float8_delayed", "float8_rowwise", "float8_rowwise_gw_hp", "float8_blockwise",
     "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
 )
-WEIGHT_MODES = ("dynamic", "quantized")
 
 
 @register_quantization_config("qtensor")
@@ -147,9 +147,11 @@ class QTensorHfQuantizer(HfQuantizer):
             # The checkpoint holds qtensor's entries (a quantized weight as its buffers, running
             # state) where the plain model has plain weights: transformers loads the rest and is
             # told not to report those, which _process_model_after_weight_loading restores.
+            planned = copy.deepcopy(model)
             with torch.device("cpu"), _default_dtype(torch.float32):
-                entries = _qtensor_entries(self._quantize(copy.deepcopy(model))[1])
-            owned = {name for name in stored if any(name == key or name.startswith(f"{key}.") for key in entries)}
+                self._quantize(planned)
+            entries = _qtensor_entries(planned)
+            owned = {name for name in stored if name in entries or any(key in entries for key in checkpoint.entry_prefixes(name))}
             exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(owned)
             model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact(entries - stored)
@@ -160,22 +162,20 @@ class QTensorHfQuantizer(HfQuantizer):
         # The quantizers' running state is made as quantize_ makes it outside from_pretrained (on
         # the CPU, in fp32), not on the meta device in the checkpoint's dtype.
         with torch.device("cpu"), _default_dtype(torch.float32):
-            model.qtensor_report, _ = self._quantize(model)
+            model.qtensor_report = self._quantize(model)
         _check_weights_stored(model, stored)
         save_running_state(model, False)  # until loaded: transformers places what state_dict() lists
         return model
 
     def _quantize(self, model):
-        """quantize_ with the config: (the report, the model)."""
         config = self.quantization_config
-        report = quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn)
-        return report, model
+        return quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
             save_running_state(model, True)
             return model
-        model.qtensor_report, _ = self._quantize(model)
+        model.qtensor_report = self._quantize(model)
         # The quantized weights' bytes and the running state, as saved (the rest transformers loaded,
         # through the model's own key conversions).
         device = next(model.parameters()).device
@@ -221,14 +221,19 @@ class _FillQuantizedWeight(ConversionOps):
         return {full_layer_name: fill_weight(module, attribute, value)}
 
 
+def _quantized_modules(model):
+    """(state_dict key prefix, module) of every module quantize_ gave a layer."""
+    for name, module in model.named_modules():
+        if "_qtensor_layers" in module.__dict__:
+            yield (f"{name}." if name else ""), module
+
+
 def _qtensor_entries(model) -> set[str]:
     """The state_dict keys qtensor owns: each quantized layer's weight and its running state."""
     entries = set()
-    for name, module in model.named_modules():
-        if "_qtensor_layers" in module.__dict__:
-            prefix = f"{name}." if name else ""
-            entries.update(prefix + attribute for attribute in module._qtensor_layers)
-            entries.update(prefix + suffix for suffix in running_state(module))
+    for prefix, module in _quantized_modules(model):
+        entries.update(prefix + attribute for attribute in module._qtensor_layers)
+        entries.update(prefix + suffix for suffix in running_state(module))
     return entries
 
 
@@ -251,10 +256,8 @@ def _tie_as_loading_will(model, stored: set[str]) -> None:
 def _check_weights_stored(model, stored: set[str]) -> None:
     present = _stored(model, stored)
     absent = [
-        f"{name}.{attribute}" if name else attribute
-        for name, module in model.named_modules()
-        for attribute in module.__dict__.get("_qtensor_layers", {})
-        if not present(f"{name}.{attribute}" if name else attribute)
+        prefix + attribute for prefix, module in _quantized_modules(model) for attribute in module._qtensor_layers
+        if not present(prefix + attribute)
     ]
     if absent:
         raise ValueError(

@@ -11,24 +11,20 @@ import qtensor  # noqa: E402
 import qtensor.hf  # noqa: E402
 from qtensor.hf import QTensorConfig  # noqa: E402
 
+def _decoder(config_class, hidden=128, intermediate=256, **extra):
+    """A tiny decoder-only config: two blocks, four heads, two KV heads."""
+    return lambda: config_class(
+        vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, **extra,
+    )
+
+
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    ),
+    "llama": _decoder(transformers.LlamaConfig, tie_word_embeddings=False),
+    "qwen2": _decoder(transformers.Qwen2Config, tie_word_embeddings=True),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64),
-    "mistral": lambda: transformers.MistralConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=16,
-    ),
-    "mixtral": lambda: transformers.MixtralConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
-    ),
+    "mistral": _decoder(transformers.MistralConfig, sliding_window=16),
+    "mixtral": _decoder(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -294,14 +290,8 @@ def test_export_writes_a_plain_checkpoint_transformers_loads_without_qtensor(che
 
 
 FP8_CONFIGS = {  # every projection whole 128x128 blocks (or a single partial one), as DeepSeek-V3's are
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    ),
+    "llama": _decoder(transformers.LlamaConfig, hidden=256, intermediate=512, tie_word_embeddings=False),
+    "qwen2": _decoder(transformers.Qwen2Config, hidden=256, intermediate=512, tie_word_embeddings=True),
 }
 FP8_BLOCKS = {"float8_current": [128, 128], "float8_delayed": [128, 128], "float8_blockwise": [128, 128], "float8_rowwise": [1, 128]}
 
@@ -358,10 +348,7 @@ def test_fp8_export_is_the_fine_grained_layout_transformers_loads(name, recipe, 
 def test_fp8_export_refuses_what_the_layout_cannot_hold_exactly(case, message, tmp_path):
     configs = {
         "gpt2": CONFIGS["gpt2"],
-        "partial": lambda: transformers.LlamaConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=320, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64,
-        ),
+        "partial": _decoder(transformers.LlamaConfig, hidden=256, intermediate=320),
     }
     transformers.AutoModelForCausalLM.from_config(configs.get(case, FP8_CONFIGS["llama"])()).save_pretrained(tmp_path / "plain")
     config = {
