@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import qtensor
-import qtensor.formats_table
+import qtensor.demo.formats_table
 from timing import median_ms, varied
 
 
@@ -24,7 +24,7 @@ def main():
     n = args.size
     x = varied(n, n)
     rows = []
-    for name, quantizer in qtensor.formats_table.example_quantizers().items():
+    for name, quantizer in qtensor.demo.formats_table.example_quantizers().items():
         ms = median_ms(lambda: quantizer.quantize(x))
         # bytes the quantization must move at least: read bf16 once, write both directions' data
         out_bytes = quantizer.quantize(x).storage_nbytes()

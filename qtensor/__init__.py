@@ -1,6 +1,6 @@
 """qtensor: quantized tensor subclasses for low-precision training in PyTorch."""
 
-from . import ops as _ops  # noqa: F401  (registers the format-independent dispatch ops)
+from .core import ops as _ops  # noqa: F401  (registers the format-independent dispatch ops)
 from . import optim, recipes
 from .checkpoint import load_file, load_model, save_file, save_model
 from .formats.float8 import Float8Quantizer, Float8Tensor
@@ -9,13 +9,22 @@ from .formats.hybrid import HybridQuantizedTensor, HybridQuantizer
 from .formats.identity import IdentityQuantizer, IdentityTensor
 from .formats.mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from .formats.nvfp4 import NVFP4Quantizer, NVFP4Tensor
-from .dynamic_weight import DynamicWeight
-from .layer import LinearQuantizers
+from .layers.dynamic_weight import DynamicWeight
+from .layers.config import LinearQuantizers
 from .quantize import QuantizeReport, dequantize_, quantize_
-from .quantizer import Quantizer
-from .recipe import Recipe, Role
-from .routing import high_precision
-from .tensor import QuantizedTensor, fallback_report, fallbacks
+from .core.quantizer import Quantizer
+from .recipes import Recipe, Role
+from .layers.routing import high_precision
+from .core.tensor import QuantizedTensor, fallback_report, fallbacks
+from . import legacy
+
+legacy.install()  # the module paths files written before the layout by layer name
+
+import qtensor_kernels  # noqa: E402
+from .core import kernels as _kernels  # noqa: E402
+
+# The Triton kernels register themselves into the core's table at its first CUDA lookup.
+_kernels.set_loader(qtensor_kernels.register)
 
 __all__ = [
     "DynamicWeight",

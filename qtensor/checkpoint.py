@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .dynamic_weight import DynamicWeight
-from .fsdp import full_tensor
-from .plan import TensorPlan
-from .tensor import QuantizedTensor, own_bytes
+from .layers.dynamic_weight import DynamicWeight
+from .distributed.fsdp import full_tensor
+from .core.plan import TensorPlan
+from .core.tensor import QuantizedTensor, own_bytes
 
 FORMAT_VERSION = 1
 METADATA_KEY = "qtensor"

@@ -30,9 +30,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from . import checkpoint, recipes
 from .optim import MasterWeights
 from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, running_state, save_running_state
-from .quantizer import decode_value, encode_value
-from .recipe import Recipe
-from .tensor import QuantizedTensor
+from .core.quantizer import decode_value, encode_value
+from .recipes import Recipe
+from .core.tensor import QuantizedTensor
 
 # The ready recipes a config names (qtensor.recipes): a name is what config.json can carry.
 RECIPES = (

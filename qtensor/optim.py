@@ -9,9 +9,9 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .fsdp import placement_groups
-from .numerics import reduce_amax_over
-from .tensor import QuantizedTensor
+from .distributed.fsdp import placement_groups
+from .core.numerics import reduce_amax_over
+from .core.tensor import QuantizedTensor
 
 
 def is_quantized(param: torch.Tensor) -> bool:

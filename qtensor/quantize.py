@@ -12,12 +12,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .dynamic_weight import DynamicWeight
-from .layer import LayerRunning, LinearQuantizers, carries_quantizers
-from .recipe import Recipe
-from .tensor import QuantizedTensor
-from . import tensor_parallel
-from .weight import quantized_weight
+from .layers.dynamic_weight import DynamicWeight
+from .layers.config import LayerRunning, LinearQuantizers, carries_quantizers
+from .recipes import Recipe
+from .core.tensor import QuantizedTensor
+from .layers import tensor_parallel
+from .layers.weight import quantized_weight
 
 WEIGHT_MODES = ("dynamic", "quantized")
 

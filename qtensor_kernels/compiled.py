@@ -2,7 +2,7 @@
 a fake implementation that gives its outputs' shapes and dtypes, so that under `torch.compile` the
 compiled graph calls the kernels directly instead of tracing the pure-torch reference.
 
-`WRAPPERS` maps a kernel-table name (qtensor/kernels.py) to a function with the eager kernel's
+`WRAPPERS` maps a kernel-table name (qtensor/core/kernels.py) to a function with the eager kernel's
 signature and return convention, built on the op: callers do not change. A custom op cannot return
 None, so an absent direction travels as an empty tensor and comes back as None.
 
@@ -254,7 +254,7 @@ def scale_output_op(
     product: torch.Tensor, a_scale: torch.Tensor, a_amax_max: float, b_scale: Optional[torch.Tensor], b_amax_max: float,
     bias: Optional[torch.Tensor], out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    from qtensor.storage import TensorScale
+    from qtensor.core.storage import TensorScale
 
     b = None if b_scale is None else TensorScale(b_scale, b_amax_max or None)
     return gemm.scale_output(product, TensorScale(a_scale, a_amax_max or None), b, bias, out_dtype)

@@ -278,3 +278,14 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
             data.view(torch.uint8), scale_inv, out, n, E5M2=data.dtype == torch.float8_e5m2, BLOCK=block, num_warps=8
         )
     return out
+
+
+# Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
+KERNELS = {
+    "finite_amax": finite_amax,
+    "float8.cast": cast,
+    "float8.amax_partials": amax_partials,
+    "float8.delayed_scale": delayed_scale,
+    "float8.record_amax": record_amax,
+    "float8.dequantize": dequantize,
+}

@@ -200,3 +200,7 @@ def cast(x, fp8_dtype, block_rows, block_cols, pow2_scales, amax_epsilon, rowwis
         num_warps=WARPS[x.element_size()],
     )
     return row, col
+
+
+# Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
+KERNELS = {"float8_block.cast": cast}

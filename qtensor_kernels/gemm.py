@@ -55,3 +55,7 @@ def scale_output(product: torch.Tensor, a_scale, b_scale, bias, out_dtype: torch
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=8, enable_fp_fusion=False,
         )
     return out
+
+
+# Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
+KERNELS = {"gemm.scale_output": scale_output}

@@ -53,3 +53,7 @@ def cast(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht, tile=_C
             WIDE=nvfp4._wide_pairs(M, N, col_length), BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
         )
     return row, col
+
+
+# Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
+KERNELS = {"hybrid.cast": cast}

@@ -176,3 +176,7 @@ def dequantize(data: torch.Tensor, codes: torch.Tensor, along_rows: bool, out_dt
             ALONG_ROWS=along_rows, E5M2=data.dtype == torch.float8_e5m2, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
     return out
+
+
+# Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
+KERNELS = {"mxfp8.cast": cast, "mxfp8.dequantize": dequantize}

@@ -420,3 +420,7 @@ def dequantize(data, scale_inv, length: int, out_dtype: torch.dtype, global_amax
             TENSOR_SCALE=global_amax is not None, WORDS=length % 16 == 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False,
         )
     return out
+
+
+# Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
+KERNELS = {"nvfp4.cast": cast, "nvfp4.amaxes": amaxes, "nvfp4.dequantize": dequantize}

@@ -270,7 +270,7 @@ def _counting(original):
 
 def count_all_gather_bytes():
     """Record, per all-gather, the bytes handed to it against the bf16 bytes of the same shard."""
-    from qtensor.weight import QuantizedWeight  # a quantized layer weight (weights="quantized")
+    from qtensor.layers.weight import QuantizedWeight  # a quantized layer weight (weights="quantized")
 
     for cls in (QuantizedWeight, qtensor.DynamicWeight):
         cls.fsdp_pre_all_gather = _counting(cls.fsdp_pre_all_gather)
@@ -307,14 +307,14 @@ def run_distributed(out_path: str) -> None:
     # Where FSDP2's state cannot be read (fsdp.regathers_before_backward finds no parameter group),
     # the forward gather also brings what the backward reads: correct, more bytes.
     if not only or only == "unknown_regather":
-        found = qtensor.fsdp._param_group_of
-        qtensor.fsdp._param_group_of = lambda module, root: None
+        found = qtensor.distributed.fsdp._param_group_of
+        qtensor.distributed.fsdp._param_group_of = lambda module, root: None
         try:
             model = build("mxfp8", "dynamic")
             GATHER_LOG.clear()
             results["unknown_regather"] = {**train(sharded(model, mesh), "dynamic"), "all_gathers": list(GATHER_LOG)}
         finally:
-            qtensor.fsdp._param_group_of = found
+            qtensor.distributed.fsdp._param_group_of = found
     # MixedPrecisionPolicy(param_dtype=bf16): the gathered weight is a bf16 quantized tensor.
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -344,7 +344,7 @@ def run_distributed(out_path: str) -> None:
     if not only or only == "amax_reductions":
         # The same steps with each cast reducing its own amaxes (the batching turned off): one
         # all-reduce per layer and step, so the count above is seen to change.
-        from qtensor import dynamic_weight
+        from qtensor.layers import dynamic_weight
 
         batched = dynamic_weight._batched_amaxes
         dynamic_weight._batched_amaxes = lambda *arguments: None

@@ -10,9 +10,10 @@ multi-rank counts and exactness are in test_fsdp.py.
 import pytest
 import torch
 
-from qtensor import Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, running_state
-from qtensor.numerics import pre_reduced_amaxes, reduce_amax_over
-from qtensor.quantizer import Quantizer
+from qtensor import Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer
+from qtensor.core import running_state
+from qtensor.core.numerics import pre_reduced_amaxes, reduce_amax_over
+from qtensor.core.quantizer import Quantizer
 
 QUANTIZERS = {
     "float8_current": lambda: Float8Quantizer(),

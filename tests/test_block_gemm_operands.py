@@ -16,6 +16,7 @@ import oracle
 from cases import DIRECTIONS
 import qtensor
 from qtensor import gemm
+from qtensor.gemm import backends
 from qtensor.formats import nvfp4
 
 
@@ -222,14 +223,14 @@ def test_the_backend_of_a_pair_follows_the_operand_forms_its_storages_offer(capa
     }[which]
     device = torch.device("cpu") if capability is None else torch.device("cuda", 0)
     with (
-        mock.patch.object(gemm, "_capability", lambda index: capability),
+        mock.patch.object(backends, "_capability", lambda index: capability),
         mock.patch.object(torch.version, "cuda", "12.9"),  # the CPU build has none; Hopper's block scaling needs 12.9
         mock.patch.object(torch, "_scaled_mm", zeros_product),
         mock.patch.object(torch.nn.functional, "scaled_mm", zeros_product),
         mock.patch.object(torch, "mm", zeros_product),
     ):
         a_storage, b_storage = a_tensor.storage_for(a_direction).oriented(a_direction), b_tensor.storage_for(b_direction).oriented(b_direction)
-        fast = gemm._fast_product(a_storage, b_storage, device, None, torch.float32, False)
+        fast = backends._fast_product(a_storage, b_storage, device, None, torch.float32, False)
     assert (fast[0] if fast else "reference") == expected
     if fast:
         assert fast[1].shape == (m if which != "wgrad" else n, n if which == "fprop" else k)

@@ -13,7 +13,7 @@ from torch import nn
 
 import qtensor
 from cases import FORMATS
-from qtensor.storage import Storage
+from qtensor.core.storage import Storage
 
 
 

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 import qtensor
-from qtensor import gemm, kernels
-from qtensor.kernels import lookup, reference_kernels
+from qtensor import gemm
+from qtensor.gemm import backends
+from qtensor.core import kernels
+from qtensor.core.kernels import lookup, reference_kernels
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,6 +52,15 @@ def raw(q):
     return out
 
 
+def test_every_kernel_of_the_table_is_registered_on_a_gpu():
+    """The loader `import qtensor` hands the table registered a kernel under every name: none was
+    lost to an import that failed quietly, so the tests below compare kernels, not the reference
+    with itself."""
+    assert kernels.registered() == set(kernels.REFERENCES)
+    x = torch.ones(4, 4, device="cuda")
+    assert lookup("float8.cast", x) is kernels.TABLE.eager["float8.cast"]
+
+
 @pytest.mark.parametrize("shape", [(256, 512), (68, 200), (4, 3), (37, 45), (1, 1), (130, 7), (0, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(QUANTIZERS))
@@ -86,7 +97,7 @@ def test_casts_traced_by_inductor_are_bitwise_the_reference(name, dtype, shape):
     bf16 result on unrounded unless told to round it as eager does (emulate_precision_casts; an
     MXFP8 cast fuses with its producer, so without it the cast sees x · 3 in fp32): the cast is
     checked on the values eager gives it."""
-    from qtensor.storage import DIRECTIONS
+    from qtensor.core.storage import DIRECTIONS
 
     quantizer = COMPILED_QUANTIZERS[name]()
 
@@ -112,7 +123,7 @@ def test_casts_traced_by_inductor_are_bitwise_the_reference(name, dtype, shape):
 def test_finite_amax_kernel_equals_the_reference(dtype, numel):
     """Partial amaxes over a grid-stride loop (9M elements: several blocks per program), NaN and
     ±Inf ignored."""
-    from qtensor.numerics import finite_amax
+    from qtensor.core.numerics import finite_amax
 
     x = varied(1, numel, seed=numel).to(dtype).reshape(-1)
     if numel > 3:
@@ -256,7 +267,7 @@ def test_a_shard_quantized_inside_reduce_amax_over_casts_as_the_whole(name):
     amaxes reduced before they are recorded), on a one-rank NCCL group: bytes and history as unsharded."""
     import torch.distributed as dist
 
-    from qtensor.numerics import reduce_amax_over
+    from qtensor.core.numerics import reduce_amax_over
 
     x = hard_input(96, 160, torch.bfloat16)
     sharded_quantizer, whole_quantizer = QUANTIZERS[name](), QUANTIZERS[name]()
@@ -430,7 +441,8 @@ def test_hybrid_cast_in_one_read_is_bitwise_the_two_children(name, dtype, shape)
     from qtensor_kernels import hybrid
 
     fused = mock.Mock(wraps=hybrid.cast)
-    with mock.patch.dict(kernels._resolved, {"hybrid.cast": fused}):
+    kernels.registered()  # the table filled before one of its entries is replaced
+    with mock.patch.dict(kernels.TABLE.eager, {"hybrid.cast": fused}):
         fast = fast_quantizer.quantize(x)
     assert fused.call_count == 1
     with reference_kernels():
@@ -518,7 +530,7 @@ def test_hybrid_gemms_on_bf16_tensor_cores_agree_with_the_reference(out_dtype):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_scaled_gemm_epilogue_kernel_is_bitwise_the_reference(out_dtype, with_bias, scales):
     """The tensor scales computed in the kernel (NVFP4's 1/S_enc from the amax) as TensorScale.value."""
-    from qtensor.storage import TensorScale
+    from qtensor.core.storage import TensorScale
 
     product = varied(130, 96, 5) * 1e3
     inverse = TensorScale(torch.tensor(3.7e-5, device="cuda"))
@@ -533,7 +545,7 @@ def test_scaled_gemm_epilogue_kernel_is_bitwise_the_reference(out_dtype, with_bi
     bias = varied(1, 96, 6)[0].to(torch.bfloat16) if with_bias else None
     fast = lookup("gemm.scale_output", product)(product, a_scale, b_scale, bias, out_dtype)
     scale = b_scale.value() if a_scale is None else (a_scale.value() if b_scale is None else a_scale.value() * b_scale.value())
-    reference = gemm._scale_and_finish(product, scale, bias, out_dtype)
+    reference = backends._scale_and_finish(product, scale, bias, out_dtype)
     assert torch.equal(fast, reference)
 
 
@@ -541,7 +553,7 @@ def test_scaled_gemm_epilogue_kernel_is_bitwise_the_reference(out_dtype, with_bi
 def test_nvfp4_amaxes_kernel_is_the_reference(rht):
     x = hard_input(100, 72, torch.bfloat16)
     from qtensor.formats.nvfp4 import apply_rht
-    from qtensor.numerics import finite_amax, pad_to_multiple
+    from qtensor.core.numerics import finite_amax, pad_to_multiple
 
     plain, transformed = lookup("nvfp4.amaxes", x)(x)
     with reference_kernels():

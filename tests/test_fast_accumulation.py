@@ -16,7 +16,7 @@ from torch import nn
 
 import oracle
 import qtensor
-from qtensor import gemm
+from qtensor.gemm import backends as gemm_backends
 
 
 def recording_scaled_mm(calls):
@@ -38,8 +38,8 @@ def gemm_calls(recipe, **quantize_options):
     x = torch.randn(16, 64, requires_grad=True)
     calls = []
     # The FP8 tensor-core backend alone, taken as capable on this device.
-    backends = tuple(dataclasses.replace(b, capable=lambda device: True) for b in gemm.BACKENDS if b.name == "float8_scaled_mm")
-    with mock.patch.object(gemm, "BACKENDS", backends), mock.patch.object(torch, "_scaled_mm", recording_scaled_mm(calls)):
+    backends = tuple(dataclasses.replace(b, capable=lambda device: True) for b in gemm_backends.BACKENDS if b.name == "float8_scaled_mm")
+    with mock.patch.object(gemm_backends, "BACKENDS", backends), mock.patch.object(torch, "_scaled_mm", recording_scaled_mm(calls)):
         y = layer(x)
         forward_calls = list(calls)
         y.backward(torch.randn(16, 32))

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import qtensor
-from qtensor.plan import TENSOR_CLASSES
-from qtensor.quantizer import QUANTIZER_CLASSES, Quantizer
-from qtensor.storage import STORAGE_CLASSES, Buffer, Storage
-from qtensor.tensor import QuantizedTensor
+from qtensor.core.plan import TENSOR_CLASSES
+from qtensor.core.quantizer import QUANTIZER_CLASSES, Quantizer
+from qtensor.core.storage import STORAGE_CLASSES, Buffer, Storage
+from qtensor.core.tensor import QuantizedTensor
 
 MODULE = "qtensor.formats.int8_rows"  # where a contributor would put it
 

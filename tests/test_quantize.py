@@ -316,7 +316,7 @@ def test_transposes_that_are_not_the_matrix_transpose_stay_plain():
     weight = model.lm_head.weight
     same = weight.transpose(0, 0)
     assert type(same) is torch.Tensor and same.shape == weight.shape
-    assert isinstance(weight.transpose(1, 0), qtensor.routing.TransposedWeight)
+    assert isinstance(weight.transpose(1, 0), qtensor.layers.routing.TransposedWeight)
 
 
 def test_a_plain_optimizer_over_quantized_weights_raises_at_its_first_step():

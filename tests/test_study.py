@@ -21,7 +21,7 @@ from torch import nn
 import oracle
 import qtensor
 from qtensor import recipes
-from qtensor.recipe import Recipe
+from qtensor.recipes import Recipe
 from qtensor.study import __main__ as study_main
 from qtensor.study.corpus import Batches, load_corpus, source_files, validation_starts, windows
 from qtensor.study.diagnose import capture_operands, gemm_errors

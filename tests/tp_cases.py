@@ -115,7 +115,7 @@ def plan(sequence_parallel: bool | str) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from qtensor.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
+    from qtensor.layers.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
 
     row_output = Shard(1) if sequence_parallel else Replicate()
     row = QuantizedRowwiseParallel if sequence_parallel == "quantized" else RowwiseParallel
@@ -182,7 +182,7 @@ def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequ
 @contextlib.contextmanager
 def counting_quantized_gemms():
     """Inside, [n]: how many forwards of the quantized linear ran (each layer's, each step)."""
-    from qtensor.linear import QuantizedLinearFunction
+    from qtensor.layers.linear import QuantizedLinearFunction
 
     count, forward = [0], QuantizedLinearFunction.forward
 
@@ -200,7 +200,7 @@ def counting_quantized_gemms():
 def plain_weights(model: nn.Module) -> dict:
     """Every parameter's whole value as plain tensors (gathered when sharded); a quantized one as the
     exact fp32 values of each copy it holds (`name`, `name:columnwise`)."""
-    from qtensor.fsdp import full_tensor
+    from qtensor.distributed.fsdp import full_tensor
 
     found = {}
     for name, param in model.named_parameters():
@@ -240,7 +240,7 @@ def run_distributed(out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from qtensor import sequence_parallel as sequence_parallel_module
+    from qtensor.distributed import sequence_parallel as sequence_parallel_module
 
     _init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -268,7 +268,7 @@ def run_distributed(out_path: str) -> None:
     # projections' saved references are packed twice, and the gathered columnwise copy is still released.
     from torch.utils.checkpoint import checkpoint
 
-    from qtensor import sequence_parallel as sp
+    from qtensor.distributed import sequence_parallel as sp
 
     layouts, init = [], sp.TokenLayout.__init__
 
@@ -291,7 +291,7 @@ def run_distributed(out_path: str) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, SequenceParallel, parallelize_module
 
-    from qtensor.tensor_parallel import QuantizedRowwiseParallel
+    from qtensor.layers.tensor_parallel import QuantizedRowwiseParallel
 
     model = build("float8_delayed", "dynamic")
     for block in model.layers:

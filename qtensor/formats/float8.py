@@ -3,7 +3,7 @@
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ..numerics import (
+from ..core.numerics import (
     FP8_DTYPES,
     check_choice,
     check_fp8_dtype,
@@ -18,11 +18,11 @@ from ..numerics import (
     scale_from_amax,
     to_fp8,
 )
-from .. import running_state
-from ..kernels import lookup
-from ..quantizer import Quantizer
-from ..storage import Buffer, FP8TensorwiseOperand, Storage, TensorScale
-from ..tensor import QuantizedTensor
+from ..core import running_state
+from ..core.kernels import lookup
+from ..core.quantizer import Quantizer
+from ..core.storage import Buffer, FP8TensorwiseOperand, Storage, TensorScale
+from ..core.tensor import QuantizedTensor
 
 
 # ---- numerics ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ the same blocks, one the transpose of the other.
 
 import torch
 
-from ..numerics import (
+from ..core.numerics import (
     FP8_DTYPES,
     ceil_div,
     check_fp8_dtype,
@@ -22,10 +22,10 @@ from ..numerics import (
     scale_from_amax,
     sharded_quantization,
 )
-from ..kernels import lookup
-from ..quantizer import Quantizer
-from ..storage import UNDECLARED, Buffer, FP8BlockOperand, Storage
-from ..tensor import QuantizedTensor
+from ..core.kernels import lookup
+from ..core.quantizer import Quantizer
+from ..core.storage import UNDECLARED, Buffer, FP8BlockOperand, Storage
+from ..core.tensor import QuantizedTensor
 from .float8 import quantize_per_tensor
 
 BLOCK_ROWS = (1, 128)

@@ -1,9 +1,9 @@
 """Hybrid: a rowwise copy in one format and a columnwise copy in another (docs/numerics.md, Hybrid)."""
 
-from ..kernels import lookup
-from ..numerics import cast_saturating, check_choice
-from ..quantizer import Quantizer
-from ..tensor import QuantizedTensor
+from ..core.kernels import lookup
+from ..core.numerics import cast_saturating, check_choice
+from ..core.quantizer import Quantizer
+from ..core.tensor import QuantizedTensor
 from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
 

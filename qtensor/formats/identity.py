@@ -2,9 +2,9 @@
 
 import torch
 
-from ..quantizer import INPUT_DTYPES, Quantizer, autocast_dtype
-from ..storage import Buffer, Storage
-from ..tensor import QuantizedTensor
+from ..core.quantizer import INPUT_DTYPES, Quantizer, autocast_dtype
+from ..core.storage import Buffer, Storage
+from ..core.tensor import QuantizedTensor
 
 
 class IdentityStorage(Storage):

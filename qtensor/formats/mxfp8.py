@@ -2,7 +2,7 @@
 
 import torch
 
-from ..numerics import (
+from ..core.numerics import (
     FP8_DTYPES,
     block_amax,
     ceil_div,
@@ -14,10 +14,10 @@ from ..numerics import (
     pad_to_multiple,
     to_fp8_saturating,
 )
-from ..kernels import lookup
-from ..quantizer import Quantizer
-from ..storage import BlockScaledOperand, Buffer, Storage
-from ..tensor import QuantizedTensor
+from ..core.kernels import lookup
+from ..core.quantizer import Quantizer
+from ..core.storage import BlockScaledOperand, Buffer, Storage
+from ..core.tensor import QuantizedTensor
 
 BLOCK_SIZE = 32
 E8M0_NAN = 255

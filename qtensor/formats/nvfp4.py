@@ -3,7 +3,7 @@
 
 import torch
 
-from ..numerics import (
+from ..core.numerics import (
     FLT_MAX,
     amaxes_pre_reduced,
     block_amax,
@@ -17,10 +17,10 @@ from ..numerics import (
     scale_from_amax,
     to_fp8_saturating,
 )
-from ..kernels import lookup
-from ..quantizer import Quantizer
-from ..storage import BlockScaledOperand, Buffer, Storage, TensorScale
-from ..tensor import QuantizedTensor
+from ..core.kernels import lookup
+from ..core.quantizer import Quantizer
+from ..core.storage import BlockScaledOperand, Buffer, Storage, TensorScale
+from ..core.tensor import QuantizedTensor
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0

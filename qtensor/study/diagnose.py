@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..recipe import Recipe
+from ..recipes import Recipe
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 

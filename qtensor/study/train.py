@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .. import recipes
 from ..quantize import quantize_
-from ..recipe import Recipe
+from ..recipes import Recipe
 from .corpus import Batches, Corpus, validation_starts, windows
 from .model import Decoder, ModelConfig, parameter_count
 

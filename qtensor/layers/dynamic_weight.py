@@ -8,12 +8,14 @@ import copy
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from . import fsdp, layer_state, running_state
-from .kernels import is_fake
-from .layer import LinearQuantizers
-from .numerics import all_reduce_max, ceil_div, pre_reduced_amaxes, reduce_amax_over
-from .quantizer import fold_to_2d
-from .tensor import QuantizedTensor
+from ..distributed import fsdp
+from . import traced_state
+from ..core import running_state
+from ..core.kernels import is_fake
+from .config import LinearQuantizers
+from ..core.numerics import all_reduce_max, ceil_div, pre_reduced_amaxes, reduce_amax_over
+from ..core.quantizer import fold_to_2d
+from ..core.tensor import QuantizedTensor
 from .weight import GatheredCast, LayerWeight, quantized_weight
 
 
@@ -128,14 +130,14 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         return quantized
 
     # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap), with the
-    # layer's running state among the inner tensors (layer_state.py).
+    # layer's running state among the inner tensors (traced_state.py).
     def __tensor_flatten__(self):
-        return ["_data", *layer_state.inner_names(self, self._data)], self.linear_quantizers
+        return ["_data", *traced_state.inner_names(self, self._data)], self.linear_quantizers
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, linear_quantizers, outer_size, outer_stride):
         weight = DynamicWeight(inner_tensors["_data"], linear_quantizers)
-        layer_state.bind(weight, inner_tensors)
+        traced_state.bind(weight, inner_tensors)
         return weight
 
     def __reduce_ex__(self, protocol):
@@ -232,7 +234,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten.copy_.default and isinstance(args[1], DynamicWeight) and layer_state.has_bound_state(args[1]):
+        if func is aten.copy_.default and isinstance(args[1], DynamicWeight) and traced_state.has_bound_state(args[1]):
             return _write_back(*args[:2])
         weights = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DynamicWeight)]
         plain_args, plain_kwargs = tree_map_only(DynamicWeight, lambda t: t._data, (args, kwargs))
@@ -312,8 +314,8 @@ def _stale(shard: DynamicWeight, key: tuple, groups: tuple) -> bool:
 def _write_back(target: DynamicWeight, source: DynamicWeight) -> DynamicWeight:
     """`target.copy_(source)` from a traced weight: how the compiled step writes the layer state it
     updated back into the weight it was given, with the values where they are another tensor."""
-    layer_state.copy_state(target, source)
-    if not layer_state.same_values(source._data, target._data):
+    traced_state.copy_state(target, source)
+    if not traced_state.same_values(source._data, target._data):
         target._data.copy_(source._data)
         target._writes.record_write()
     return target

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import multi_head_attention
-from .layer import carries_quantizers
+from .config import carries_quantizers
 from .linear import quantized_linear
 
 # A switch per thread and task: False inside `high_precision()`.

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .quantizer import Quantizer
+from ..core.quantizer import Quantizer
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
@@ -100,7 +100,7 @@ class LinearQuantizers:
 
     def state_buffers(self) -> dict[str, torch.Tensor]:
         """The quantizers' running state by `<role>.<name>` (delayed scaling's amax histories): the
-        live tensors. The weight lists them among its inner tensors (layer_state.py)."""
+        live tensors. The weight lists them among its inner tensors (traced_state.py)."""
         return {
             f"{role}.{name}": buffer
             for role, quantizer in self.roles().items()

@@ -3,7 +3,7 @@
 `qtensor.quantize_` replaces each quantized layer's weight parameter with a *layer weight*: it
 carries the layer's `LinearQuantizers` (`linear_quantizers`), routes F.linear and its matmul forms
 to the quantized linear (routing.py), gathers low-precision bytes under FSDP2, and lists its layer's
-running state among its inner tensors for torch.compile (layer_state.py). Two kinds share the base
+running state among its inner tensors for torch.compile (traced_state.py). Two kinds share the base
 `LayerWeight`:
 
 - `DynamicWeight` (dynamic_weight.py, `weights="dynamic"`): high-precision values, quantized at use.
@@ -20,10 +20,11 @@ import threading
 
 import torch
 
-from . import fsdp, layer_state, routing
-from .layer import LinearQuantizers
-from .ops import byte_compatible, copy_storages
-from .tensor import QuantizedTensor
+from ..distributed import fsdp
+from . import traced_state, routing
+from .config import LinearQuantizers
+from ..core.ops import byte_compatible, copy_storages
+from ..core.tensor import QuantizedTensor
 
 aten = torch.ops.aten
 
@@ -50,8 +51,8 @@ class LayerWeight:
         return routing.torch_function(func, args, kwargs or {})
 
     def __getattr__(self, name):
-        if layer_state.is_state_name(name):
-            return layer_state.inner_tensor(self, name)
+        if traced_state.is_state_name(name):
+            return traced_state.inner_tensor(self, name)
         return self._data_attribute(name)
 
     def _data_attribute(self, name):
@@ -113,7 +114,7 @@ class QuantizedWeight(LayerWeight):
                 raise
             raise ValueError(f"{weight.linear_quantizers.parameter_name}: {error}") from None
 
-    # torch.compile: the layer's running state travels among the inner tensors (layer_state.py), and
+    # torch.compile: the layer's running state travels among the inner tensors (traced_state.py), and
     # so do the amaxes of a gathered weight's cast (`cast__0`, ...), which its compiled step records.
     def __tensor_flatten__(self):
         names, context = super().__tensor_flatten__()
@@ -121,19 +122,19 @@ class QuantizedWeight(LayerWeight):
         cast = self.__dict__.get("gathered_cast")
         notes = cast.notes if cast is not None else []
         paths = tuple(_quantizer_path(self.linear_quantizers, quantizer) for quantizer, _ in notes)
-        names = names + [f"cast__{i}" for i in range(len(notes))] + layer_state.inner_names(self, first)
+        names = names + [f"cast__{i}" for i in range(len(notes))] + traced_state.inner_names(self, first)
         return names, (*context, self.linear_quantizers, paths)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
         *data_context, linear, paths = context
-        buffers = {name: t for name, t in inner_tensors.items() if not layer_state.is_state_name(name) and not name.startswith("cast__")}
+        buffers = {name: t for name, t in inner_tensors.items() if not traced_state.is_state_name(name) and not name.startswith("cast__")}
         result = QuantizedTensor.__tensor_unflatten__(buffers, tuple(data_context), outer_size, outer_stride)
         result.linear_quantizers = linear
         if paths:  # traced: the compiled step records the cast's amaxes (version None: every step)
             result.gathered_cast = GatheredCast()
             result.gathered_cast.notes = [(_quantizer_at(linear, path), inner_tensors[f"cast__{i}"]) for i, path in enumerate(paths)]
-        layer_state.bind(result, inner_tensors)
+        traced_state.bind(result, inner_tensors)
         return result
 
     def __getattr__(self, name):
@@ -184,11 +185,11 @@ class GatheredCast:
 
 def _copy_into_weight(func, args, kwargs):
     """`weight.copy_(traced)`: how a compiled step writes back a weight it was given — its layer's
-    updated running state, and its bytes where the step wrote them (layer_state.py)."""
+    updated running state, and its bytes where the step wrote them (traced_state.py)."""
     target, source = args[0], args[1]
-    if isinstance(source, QuantizedTensor) and layer_state.has_bound_state(source) and byte_compatible(target, source):
-        layer_state.copy_state(target, source)
-        copy_storages(target, source, unless=layer_state.same_values)
+    if isinstance(source, QuantizedTensor) and traced_state.has_bound_state(source) and byte_compatible(target, source):
+        traced_state.copy_state(target, source)
+        copy_storages(target, source, unless=traced_state.same_values)
         return target
     return QuantizedTensor._ops[aten.copy_.default](func, args, kwargs)
 

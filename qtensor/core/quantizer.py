@@ -166,7 +166,7 @@ class Quantizer:
     def using_state(self, buffers: dict[str, torch.Tensor]):
         """Inside, the running state is `buffers` (the names of `state_buffers()`): casts read them
         and write into them. torch.compile traces a layer with the traced copies of its state
-        (layer_state.py), so that the history is a graph input the compiled step updates in place."""
+        (traced_state.py), so that the history is a graph input the compiled step updates in place."""
         mine = self.state_buffers()
         if set(buffers) != set(mine):
             raise ValueError(f"{type(self).__name__}: running state {sorted(buffers)} given, expected {sorted(mine)}.")

@@ -29,9 +29,9 @@ import math
 
 import torch
 
-from .layer import LinearQuantizers
+from .config import LinearQuantizers
 from .linear import local_linear
-from .sequence_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel, check_token_runs, scatter_tokens  # noqa: F401 (styles)
+from ..distributed.sequence_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel, check_token_runs, scatter_tokens  # noqa: F401 (styles)
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

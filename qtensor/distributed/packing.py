@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from .numerics import ceil_div
-from .storage import Storage, _layout
+from ..core.numerics import ceil_div
+from ..core.storage import Storage, _layout
 
 
 def row_buffers(storage: Storage) -> list[torch.Tensor]:

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .numerics import reduce_amax_over
-from .quantizer import fold_to_2d
+from ..core.numerics import reduce_amax_over
+from ..core.quantizer import fold_to_2d
 from .packing import aligned, row_buffers, unpacked_rows
-from .storage import Storage
-from .tensor import QuantizedTensor, split_rebuilt
+from ..core.storage import Storage
+from ..core.tensor import QuantizedTensor, split_rebuilt
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

@@ -32,15 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import recipes
-from .checkpoint import load_model, save_model
+from .. import recipes
+from ..checkpoint import load_model, save_model
 from .formats_table import print_formats_table
-from .fsdp import gather_stats
-from .dynamic_weight import DynamicWeight
-from .optim import MasterWeights
-from .quantize import linear_sites, quantize_
-from .recipe import Recipe
-from .tensor import QuantizedTensor
+from ..distributed.fsdp import gather_stats
+from ..layers.dynamic_weight import DynamicWeight
+from ..optim import MasterWeights
+from ..quantize import linear_sites, quantize_
+from ..recipes import Recipe
+from ..core.tensor import QuantizedTensor
 
 VOCABULARY = "0123456789+=;"
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .numerics import all_reduce_max, ceil_div, reduce_amax_over
-from .ops import mark_scales, scales_agreed
+from ..core.numerics import all_reduce_max, ceil_div, reduce_amax_over
+from ..core.ops import mark_scales, scales_agreed
 from .packing import aligned as _aligned, row_buffers as _row_buffers, unpacked_rows
-from .storage import DIRECTIONS, Storage
-from .tensor import QuantizedTensor, rows_per_index, split_rebuilt as _split_rebuilt
+from ..core.storage import DIRECTIONS, Storage
+from ..core.tensor import QuantizedTensor, rows_per_index, split_rebuilt as _split_rebuilt
 
 _PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 

@@ -4,12 +4,12 @@ import argparse
 
 import torch
 
-from .formats.float8 import Float8Quantizer
-from .formats.float8_block import Float8BlockQuantizer
-from .formats.hybrid import HybridQuantizer
-from .formats.identity import IdentityQuantizer
-from .formats.mxfp8 import MXFP8Quantizer
-from .formats.nvfp4 import NVFP4Quantizer
+from ..formats.float8 import Float8Quantizer
+from ..formats.float8_block import Float8BlockQuantizer
+from ..formats.hybrid import HybridQuantizer
+from ..formats.identity import IdentityQuantizer
+from ..formats.mxfp8 import MXFP8Quantizer
+from ..formats.nvfp4 import NVFP4Quantizer
 
 
 def example_quantizers() -> dict:

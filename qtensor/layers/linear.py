@@ -20,13 +20,16 @@ from typing import NamedTuple
 
 import torch
 
-from . import gemm, layer_state, running_state, sequence_parallel
-from .kernels import is_fake
-from .layer import LinearQuantizers
-from .numerics import reduce_amax_over
-from .quantizer import INPUT_DTYPES, Quantizer, autocast_dtype, fold_to_2d
-from .storage import _buffer_names
-from .tensor import QuantizedTensor
+from .. import gemm
+from . import traced_state
+from ..core import running_state
+from ..distributed import sequence_parallel
+from ..core.kernels import is_fake
+from .config import LinearQuantizers
+from ..core.numerics import reduce_amax_over
+from ..core.quantizer import INPUT_DTYPES, Quantizer, autocast_dtype, fold_to_2d
+from ..core.storage import _buffer_names
+from ..core.tensor import QuantizedTensor
 
 
 def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: bool, columnwise: bool) -> torch.Tensor:
@@ -261,8 +264,8 @@ def local_linear(x, weight, bias, shards: dict | None = None):
                 f"(x.to({weight.dtype})) or the model, or run under torch.autocast."
             )
     grad_enabled = torch.is_grad_enabled()
-    # Traced by torch.compile, the casts use the copies of the layer state the weight carries (layer_state.py).
-    state = layer_state.traced_state_of(weight)
+    # Traced by torch.compile, the casts use the copies of the layer state the weight carries (traced_state.py).
+    state = traced_state.traced_state_of(weight)
     needs = (grad_enabled and x.requires_grad, grad_enabled and weight.requires_grad)
     if not state:
         return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state, shards)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-from .layer import carries_quantizers
+from .config import carries_quantizers
 from .linear import quantized_linear
 
 aten = torch.ops.aten

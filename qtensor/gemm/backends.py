@@ -1,12 +1,5 @@
-"""The three GEMMs of a linear layer (docs/design.md, The three GEMMs), on quantized or plain operands.
-
-    fprop  Y  = X · Wᵀ      X rowwise,  W rowwise
-    dgrad  dX = dY · W      dY rowwise, W columnwise
-    wgrad  dW = dYᵀ · X     dY columnwise, X columnwise
-
-Each GEMM is written as C [m, n] = A · Bᵀ over two operand storages whose reduction dimension is
-contiguous: X and W rowwise for fprop; dY rowwise and W columnwise for dgrad; dY and X columnwise
-for wgrad (a columnwise storage holds the transposed matrix, reduction dimension last).
+"""C = A · Bᵀ over two operand storages whose reduction dimension is contiguous (`product_nt`), and
+the backends that compute it: what every GEMM of a quantized layer reduces to (dense.py).
 
 The backend is chosen by the operand forms the two storages declare, never by their format. A
 storage offers each form through a method that returns None where it has none
@@ -32,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from .kernels import lookup
-from .tensor import QuantizedTensor
+from ..core.kernels import lookup
+from ..core.tensor import QuantizedTensor
 
 
 def operand(tensor: torch.Tensor, direction: str) -> torch.Tensor:
@@ -365,7 +358,7 @@ def _count(name: str) -> None:
         _backend_counts[name] = _backend_counts.get(name, 0) + 1
 
 
-def _nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bias, out_dtype, fast_accumulation=False) -> torch.Tensor:
+def product_nt(a: torch.Tensor, a_direction: str, b: torch.Tensor, b_direction: str, bias, out_dtype, fast_accumulation=False) -> torch.Tensor:
     """C = A · Bᵀ, A and B each one direction of an operand whose reduction dimension is contiguous."""
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         # The device from A's storage (a wrapper's .device / .is_meta would go through __torch_function__).
@@ -387,19 +380,3 @@ def _k_last(tensor: torch.Tensor, direction: str) -> torch.Tensor:
     """fp32 values of an operand's direction, laid out with its reduction dimension last."""
     values = operand(tensor, direction)
     return values if direction == "rowwise" else values.t()
-
-
-def fprop(x: torch.Tensor, weight: torch.Tensor, bias=None, out_dtype=torch.float32, *, fast_accumulation: bool = False) -> torch.Tensor:
-    """Y [M, N] = X [M, K] · W [N, K]ᵀ (+ bias), in `out_dtype`; `fast_accumulation` allows the FP8
-    tensor cores' fast accumulation (the reference and the other backends are unaffected)."""
-    return _nt(x, "rowwise", weight, "rowwise", bias, out_dtype, fast_accumulation)
-
-
-def dgrad(grad_output: torch.Tensor, weight: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
-    """dX [M, K] = dY [M, N] · W [N, K], in `out_dtype`."""
-    return _nt(grad_output, "rowwise", weight, "columnwise", None, out_dtype)
-
-
-def wgrad(grad_output: torch.Tensor, x: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
-    """dW [N, K] = dY [M, N]ᵀ · X [M, K], in `out_dtype`."""
-    return _nt(grad_output, "columnwise", x, "columnwise", None, out_dtype)

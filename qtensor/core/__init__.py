@@ -1,0 +1,1 @@
+"""Quantized data: numerics, storage, quantizers, QuantizedTensor, its ops, the kernel table."""

@@ -1,0 +1,145 @@
+"""Fast kernels for CUDA tensors: one table, every format, filled from above.
+
+Each entry is the fast twin of one pure-torch reference function and is bit-identical to it (tested
+on the GPU). The kernels live in the package `qtensor_kernels`, which builds on the formats; the
+core never imports it. `import qtensor` hands this table a loader (`qtensor_kernels.register`),
+which runs once, at the first lookup for a CUDA tensor, and registers each kernel under its name
+(`register`, `register_compiled`). `lookup(name, tensor)` then gives the kernel where it applies
+(a CUDA tensor, a kernel registered under the name) and None otherwise; the caller runs the
+reference, which stays the CPU path and the oracle. Only a machine without Triton registers none;
+a kernel module that fails to import for any other reason raises from the loader, with its cause.
+`reference_kernels()` (or QTENSOR_KERNELS=reference) makes every eager lookup miss (code
+torch.compile traces does not read it).
+
+Traced by torch.compile, the Float8 and MXFP8 casts, their amaxes and dequantizes (`TRACED`) trace
+their pure-torch references, which are exact under the compiler too (docs/compile.md), so inductor
+fuses them with their neighbours: the amax into the producer's kernel (an RMSNorm, a SiLU·mul, a
+residual add), the codes of both directions into one kernel. The other kernels reach the compiled
+graph as custom ops (`register_compiled`). QTENSOR_COMPILED_CASTS=custom_ops makes the traced ones
+custom ops too (to compare the two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import is_fake as _torch_is_fake
+
+
+def is_fake(tensor) -> bool:
+    """torch's `is_fake`, answered at once for a plain tensor that nothing wraps (the eager case)."""
+    if type(tensor) is torch.Tensor and not torch._is_functional_tensor(tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        return False
+    return _torch_is_fake(tensor)
+
+
+# The names a kernel may be registered under, each with the reference it replaces.
+REFERENCES: dict[str, str] = {
+    "finite_amax": "core.numerics.finite_amax",
+    "float8.cast": "formats.float8.quantize_per_tensor (+ its transpose), with Float8Quantizer.compute_scale and 1/scale",
+    "float8.amax_partials": "core.numerics.finite_amax, in parts",
+    "float8.delayed_scale": "Float8Quantizer.compute_scale, delayed",
+    "float8.record_amax": "Float8Quantizer.record_amax",
+    "float8.dequantize": "formats.float8.dequantize_per_tensor",
+    "mxfp8.cast": "formats.mxfp8.quantize_row_blocks of both directions, from one read",
+    "mxfp8.dequantize": "formats.mxfp8.dequantize_row_blocks",
+    "nvfp4.cast": "formats.nvfp4.quantize_row_blocks of both directions (tiles, transform, stochastic rounding)",
+    "nvfp4.amaxes": "core.numerics.finite_amax of x and of apply_rht(x.t())",
+    "nvfp4.dequantize": "formats.nvfp4.dequantize_row_blocks",
+    "hybrid.cast": "formats.hybrid: the MXFP8 rowwise and NVFP4 columnwise children's casts, from one read",
+    "float8_block.cast": "formats.float8_block.quantize_blocks of both copies, from one read",
+    "gemm.scale_output": "gemm.backends._scale_and_finish",
+}
+
+# The kernels whose reference the compiler traces and fuses (see the module's docstring).
+TRACED = frozenset({"finite_amax", "float8.cast", "float8.amax_partials", "float8.dequantize", "mxfp8.cast", "mxfp8.dequantize"})
+_traced_under_compile = os.environ.get("QTENSOR_COMPILED_CASTS", "traced") != "custom_ops"
+
+
+class KernelTable:
+    """The registered kernels (eager, and as custom ops for compiled graphs) and the loader that fills
+    them, run once under a lock by the first CUDA lookup."""
+
+    def __init__(self):
+        self.eager: dict[str, Callable] = {}
+        self.compiled: dict[str, Callable] = {}
+        self.loader: Callable[[], None] | None = None
+        self.loaded = False
+        self.lock = threading.Lock()
+
+    def load(self) -> None:
+        with self.lock:
+            if self.loaded:
+                return
+            if self.loader is not None:
+                self.loader()
+            self.loaded = True
+
+
+TABLE = KernelTable()
+
+
+def set_loader(loader: Callable[[], None]) -> None:
+    """The function that registers the kernels, run at the first lookup for a CUDA tensor (`import
+    qtensor` sets it). It may raise; the next lookup then runs it again."""
+    TABLE.loader, TABLE.loaded = loader, False
+
+
+def _checked(name: str) -> str:
+    if name not in REFERENCES:
+        raise KeyError(f"no kernel named {name!r} in qtensor's kernel table; the names are {sorted(REFERENCES)}.")
+    return name
+
+
+def register(name: str, kernel: Callable) -> None:
+    """`kernel` as the eager fast path of `name` (one of `REFERENCES`)."""
+    TABLE.eager[_checked(name)] = kernel
+
+
+def register_compiled(name: str, wrapper: Callable) -> None:
+    """`wrapper` (a custom op with the eager kernel's signature) as what compiled graphs call for `name`."""
+    TABLE.compiled[_checked(name)] = wrapper
+
+
+def registered() -> frozenset[str]:
+    """The names with an eager kernel, once the loader has run (loaded now if it has not)."""
+    TABLE.load()
+    return frozenset(TABLE.eager)
+
+
+# A switch (per thread and task): QTENSOR_KERNELS=reference sets it for the whole process.
+_forced_reference = contextvars.ContextVar("qtensor_reference_kernels", default=os.environ.get("QTENSOR_KERNELS", "") == "reference")
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    """Inside, every operation runs its pure-torch reference, also on CUDA tensors."""
+    token = _forced_reference.set(True)
+    try:
+        yield
+    finally:
+        _forced_reference.reset(token)
+
+
+def lookup(name: str, tensor) -> Callable | None:
+    if tensor.device.type != "cuda":
+        return None
+    compiling = torch.compiler.is_compiling()
+    # Not read while torch.compile traces (dynamo cannot trace ContextVar.get): the switch governs
+    # eager calls, and a graph compiled inside it still calls the kernels below.
+    if not compiling and _forced_reference.get():
+        return None
+    if not TABLE.loaded:
+        TABLE.load()
+    if compiling or is_fake(tensor):
+        # Traced by torch.compile: the reference of a TRACED kernel, which inductor fuses; any other
+        # kernel as a custom op, which the compiled graph calls.
+        if name in TRACED and _traced_under_compile:
+            return None
+        return TABLE.compiled.get(name)
+    return TABLE.eager.get(name)

@@ -1,0 +1,1 @@
+"""Collectives on quantized tensors."""

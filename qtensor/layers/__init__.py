@@ -1,0 +1,1 @@
+"""What a quantized layer does."""
