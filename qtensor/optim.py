@@ -9,7 +9,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .distributed.fsdp import placement_groups
+from .distributed.fsdp_state import placement_groups
 from .core.numerics import reduce_amax_over
 from .core.tensor import QuantizedTensor
 

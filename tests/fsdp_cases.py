@@ -304,17 +304,17 @@ def run_distributed(out_path: str) -> None:
         result = train(model, weights)
         result["all_gathers"] = list(GATHER_LOG)
         results[(recipe, weights, reshard)] = result
-    # Where FSDP2's state cannot be read (fsdp.regathers_before_backward finds no parameter group),
+    # Where FSDP2's state cannot be read (fsdp_state.regathers_before_backward finds no parameter group),
     # the forward gather also brings what the backward reads: correct, more bytes.
     if not only or only == "unknown_regather":
-        found = qtensor.distributed.fsdp._param_group_of
-        qtensor.distributed.fsdp._param_group_of = lambda module, root: None
+        found = qtensor.distributed.fsdp_state._param_group_of
+        qtensor.distributed.fsdp_state._param_group_of = lambda module, root: None
         try:
             model = build("mxfp8", "dynamic")
             GATHER_LOG.clear()
             results["unknown_regather"] = {**train(sharded(model, mesh), "dynamic"), "all_gathers": list(GATHER_LOG)}
         finally:
-            qtensor.distributed.fsdp._param_group_of = found
+            qtensor.distributed.fsdp_state._param_group_of = found
     # MixedPrecisionPolicy(param_dtype=bf16): the gathered weight is a bf16 quantized tensor.
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

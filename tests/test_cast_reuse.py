@@ -62,7 +62,7 @@ def test_a_step_without_accumulation_holds_no_weight_cast_after_backward():
     model = two_layers("mxfp8")
     model(torch.randn(8, 64)).square().mean().backward()
     for layer in (model[0], model[2]):
-        assert all(entry[2] is None for entry in layer.weight._writes.quantized.values())
+        assert all(entry.quantized is None for entry in layer.weight._writes.quantized.values())
 
 
 @pytest.mark.parametrize("recipe", STATELESS_RECIPES)
@@ -116,7 +116,7 @@ def test_a_cached_cast_is_never_read_after_the_values_change(write):
     x = torch.randn(8, 64)
     model(x)
     before = model(x)  # the second training forward over the same values: its cast is kept
-    assert model[0].weight._writes.quantized and all(entry[2] is not None for entry in model[0].weight._writes.quantized.values())
+    assert model[0].weight._writes.quantized and all(entry.quantized is not None for entry in model[0].weight._writes.quantized.values())
     WRITES[write](model)
     after = model(x)
     fresh = copy.deepcopy(model)  # same values, no cache

@@ -84,7 +84,7 @@ def test_all_gathers_carry_low_precision_bytes_of_one_direction(distributed, rec
 
 
 def test_when_fsdp2_cannot_say_whether_it_regathers_the_forward_gather_brings_both_directions(distributed):
-    """Pins the fallback of fsdp.regathers_before_backward: unknown is taken as "no re-gather"."""
+    """Pins the fallback of fsdp_state.regathers_before_backward: unknown is taken as "no re-gather"."""
     result = distributed["unknown_regather"]
     # Every forward gather (the ones carrying the rowwise copy) brings the backward's copy too; a
     # re-gather that FSDP2 does run before backward still carries only the backward's.

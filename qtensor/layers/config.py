@@ -71,17 +71,20 @@ class LinearQuantizers:
     # fp32 accumulator. Only the FP8 tensor-core GEMM reads it (docs/design.md, The three GEMMs).
     fprop_fast_accumulation: bool = False
     running: LayerRunning = field(default_factory=LayerRunning, compare=False, hash=False, repr=False)
+    # True when a cast of this layer can record an amax (delayed scaling keeps running state): only
+    # then do its casts run inside running_state.noting(). Derived once, when the configuration is
+    # made: whether a quantizer keeps running state is settled when it is built.
+    records_amaxes: bool = field(init=False, compare=False, hash=False, repr=False)
 
-    @property
-    def records_amaxes(self) -> bool:
-        """True when a cast of this layer can record an amax (delayed scaling keeps running state):
-        only then do its casts run inside running_state.noting(). Computed once: whether a quantizer
-        keeps running state is settled when it is built (delayed scaling makes its history then)."""
-        value = self.__dict__.get("_records_amaxes")
-        if value is None:
-            value = bool(self.state_buffers())
-            object.__setattr__(self, "_records_amaxes", value)
-        return value
+    def __post_init__(self):
+        # The one write a frozen dataclass allows itself: a field derived from the others at construction.
+        object.__setattr__(self, "records_amaxes", bool(self.state_buffers()))
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled (pickle restores the fields without __init__; files written before this field
+        # existed lack it): derived again, as at construction.
+        self.__dict__.update(state)
+        self.__post_init__()
 
     @property
     def parameter_name(self) -> str:

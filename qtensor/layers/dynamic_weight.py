@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..distributed import fsdp
+from ..distributed import fsdp, fsdp_state
 from . import traced_state
 from ..core import running_state
 from ..core.kernels import is_fake
@@ -17,6 +18,28 @@ from ..core.numerics import all_reduce_max, ceil_div, pre_reduced_amaxes, reduce
 from ..core.quantizer import fold_to_2d
 from ..core.tensor import QuantizedTensor
 from .weight import GatheredCast, LayerWeight, quantized_weight
+
+
+@dataclass(frozen=True)
+class ShardCast:
+    """FSDP2's cast of a dynamic weight's local shard, kept while `key` (`DynamicWeight._shard_key`:
+    the values' version and dtype, the quantizer's running state) is unchanged."""
+
+    key: tuple
+    quantized: QuantizedTensor
+
+
+@dataclass(frozen=True)
+class ReducedAmaxes:
+    """A shard's tensor-wide amaxes, already reduced over `groups` in one collective with other
+    shards' (`_batched_amaxes`), for its cast of the values `key` names."""
+
+    key: tuple
+    groups: tuple
+    amaxes: list
+
+    def matches(self, key: tuple, groups: tuple) -> bool:
+        return self.key == key and self.groups == groups
 
 
 class DynamicWeight(LayerWeight, torch.Tensor):
@@ -37,6 +60,9 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     linear_quantizers: LinearQuantizers
     _data: torch.Tensor
     _writes: "_WriteLog"
+    # FSDP2 (fsdp_pre_all_gather): the last cast of the local shard, and amaxes reduced for the next.
+    shard_cast: ShardCast | None = None
+    reduced_amaxes: ReducedAmaxes | None = None
 
     @staticmethod
     def __new__(
@@ -115,8 +141,8 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         piece = (self._data.data_ptr(), tuple(self._data.shape), self._data.stride(), linear.transposed)
         seen = self._writes.quantized.get(piece)
         version = (self.values_version(), quantizer.state_version())
-        if seen is not None and seen[0] == version and seen[1] is quantizer and seen[2] is not None and (seen[2].has_columnwise or not columnwise):
-            return seen[2]
+        if seen is not None and seen.reusable(version, quantizer, columnwise):
+            return seen.quantized
         quantized = quantizer.quantize(values, rowwise=True, columnwise=columnwise)
         if torch._C._current_graph_task_id() != -1:
             return quantized  # activation recomputation repeats a forward: it is not another micro-batch
@@ -125,8 +151,8 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         # it again. A second forward over the same values shows micro-batches: that cast is kept.
         # Keyed on the quantizer's running state too: a history written since (the first
         # micro-batch's record, a load) makes the next use cast again, and keeps that cast.
-        second = seen is not None and seen[0][0] == version[0] and seen[1] is quantizer
-        self._writes.quantized[piece] = (version, quantizer, quantized if second else None)
+        second = seen is not None and seen.version[0] == version[0] and seen.quantizer is quantizer
+        self._writes.quantized[piece] = WeightCast(version, quantizer, quantized if second else None)
         return quantized
 
     # torch's traceable-subclass protocol (DTensor, torch.compile, nn.Module._apply's swap), with the
@@ -151,7 +177,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def __deepcopy__(self, memo):
         duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
         # The copy starts with its own write log and no cached quantized copies.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "_shard_cache", "_batched_amaxes")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "shard_cast", "reduced_amaxes")}
         duplicate.__dict__.update(copy.deepcopy(state, memo))
         return duplicate
 
@@ -172,7 +198,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
             fsdp.count_gather((padded,), mesh, outer_size)
             return (padded,), (None, outer_size, None)
         quantized = self._quantized_shard(values, groups, module)
-        needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))
+        needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(linear.running, module))
         inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, quantized)
 
@@ -192,7 +218,9 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         # The gathered weight carries its shard's cast notes: the first training step that uses
         # this version of the values records its amax (linear.py), an evaluation forward does not.
         target = getattr(out, "_local_tensor", out) if out is not None else result[0]
-        cast = target.__dict__.setdefault("gathered_cast", GatheredCast())
+        if target.gathered_cast is None:
+            target.gathered_cast = GatheredCast()
+        cast = target.gathered_cast
         cast.notes, cast.version = quantized.shard_notes
         return result
 
@@ -200,15 +228,14 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         """The local shard quantized in both directions, once per version of the weight and of its
         quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
         process quantizes once), with tensor-wide amaxes reduced over `groups` (every group the
-        parameter's pieces are spread over, `fsdp.groups_of_shard`) so that every shard
+        parameter's pieces are spread over, `fsdp_state.groups_of_shard`) so that every shard
         shares one scale: reduced before, for every stale dynamic weight of the model in one
         collective (`_batched_amaxes`), or by the cast itself. Its amax notes travel with it, not
         written here."""
         quantizer = self.linear_quantizers.weight
         key = self._shard_key(values.dtype)
-        cached = self.__dict__.get("_shard_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if self.shard_cast is not None and self.shard_cast.key == key:
+            return self.shard_cast.quantized
         amaxes = _batched_amaxes(self, values, key, groups, module)
         if amaxes is None:
             reduction = reduce_amax_over(groups)
@@ -218,7 +245,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
             cast = quantizer.quantize(values, rowwise=True, columnwise=True)
         quantized = quantized_weight(cast, self.linear_quantizers)
         quantized.shard_notes = (notes, (id(self._writes), key[0]))
-        self._shard_cache = (key, quantized)
+        self.shard_cast = ShardCast(key, quantized)
         return quantized
 
     def _shard_key(self, dtype: torch.dtype) -> tuple:
@@ -265,14 +292,14 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, gro
     one that FSDP2's state does not show (a model sharded above the one quantize_ was given, CPU
     offloading), one whose quantizer does not declare its amaxes, and traced casts (torch.compile)
     reduce their own amaxes as before."""
-    stored = weight.__dict__.pop("_batched_amaxes", None)
-    if stored is not None and stored[0] == key and stored[1] == groups:
-        return stored[2]
+    stored, weight.reduced_amaxes = weight.reduced_amaxes, None
+    if stored is not None and stored.matches(key, groups):
+        return stored.amaxes
     if torch.compiler.is_compiling() or is_fake(weight._data) or weight._data.is_meta:
         return None
     running = weight.linear_quantizers.running
-    layer_group = fsdp.layer_param_group(running, module)
-    if layer_group is None or not any(p.local is weight for p in fsdp.sharded_parameters([layer_group])):
+    layer_group = fsdp_state.layer_param_group(running, module)
+    if layer_group is None or not any(p.local is weight for p in fsdp_state.sharded_parameters([layer_group])):
         return None
     with torch.autocast(values.device.type, enabled=False):
         amaxes = weight.linear_quantizers.weight.tensor_amaxes(fold_to_2d(values), True, True)
@@ -280,7 +307,7 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, gro
         return None
     batch = [(weight, key, amaxes)]  # (shard, the key of its cast, its local amaxes)
     model = running.root() if running.root is not None else None
-    for parameter in fsdp.sharded_parameters(fsdp.param_groups(model)) if model is not None else ():
+    for parameter in fsdp_state.sharded_parameters(fsdp_state.param_groups(model)) if model is not None else ():
         shard = parameter.local
         if shard is weight or not isinstance(shard, DynamicWeight) or not shard._casts_shard() or shard._data.is_meta:
             continue
@@ -301,14 +328,14 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, gro
         reduced = iter(reduced.unbind())
     taken = [[next(reduced).clone() for _ in shard_amaxes] for _, _, shard_amaxes in batch]
     for (shard, shard_key, _), reduced_amaxes in zip(batch[1:], taken[1:]):
-        shard._batched_amaxes = (shard_key, groups, reduced_amaxes)
+        shard.reduced_amaxes = ReducedAmaxes(shard_key, groups, reduced_amaxes)
     return taken[0]
 
 
 def _stale(shard: DynamicWeight, key: tuple, groups: tuple) -> bool:
     """Whether the shard's next cast needs amaxes it neither holds cast nor has reduced already."""
-    cached, stored = shard.__dict__.get("_shard_cache"), shard.__dict__.get("_batched_amaxes")
-    return not (cached is not None and cached[0] == key) and not (stored is not None and stored[0] == key and stored[1] == groups)
+    cached, stored = shard.shard_cast, shard.reduced_amaxes
+    return not (cached is not None and cached.key == key) and not (stored is not None and stored.matches(key, groups))
 
 
 def _write_back(target: DynamicWeight, source: DynamicWeight) -> DynamicWeight:
@@ -321,6 +348,24 @@ def _write_back(target: DynamicWeight, source: DynamicWeight) -> DynamicWeight:
     return target
 
 
+@dataclass(frozen=True)
+class WeightCast:
+    """The last cast of one piece of a dynamic weight's values: the version of the values and of the
+    quantizer's running state it was made from, the quantizer, and the quantized tensor where it is
+    kept (from the second cast of the same values on), else None."""
+
+    version: tuple
+    quantizer: object
+    quantized: QuantizedTensor | None
+
+    def reusable(self, version: tuple, quantizer, columnwise: bool) -> bool:
+        """Whether the kept cast serves a use of these values by this quantizer in these directions."""
+        return (
+            self.quantized is not None and self.version == version and self.quantizer is quantizer
+            and (self.quantized.has_columnwise or not columnwise)
+        )
+
+
 class _WriteLog:
     """Shared by a DynamicWeight and its aliases: how many in-place writes went through any of them,
     and the last cast of the values with the quantized copy kept from the second cast on (dropped at
@@ -330,7 +375,7 @@ class _WriteLog:
 
     def __init__(self):
         self.count = 0
-        self.quantized: dict[tuple, tuple] = {}  # piece → (values version, quantizer, quantized tensor or None)
+        self.quantized: dict[tuple, WeightCast] = {}  # by piece of the values (`DynamicWeight.quantized`)
 
     def record_write(self) -> None:
         self.count += 1

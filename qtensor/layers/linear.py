@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -38,17 +39,42 @@ def _quantize(quantizer: Quantizer | None, tensor: torch.Tensor, *, rowwise: boo
     return quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise)
 
 
-# The most recent input cast of this thread (and task), in a one-element list: [(weak reference to
-# the input, its version, quantizer, quantized) or None]. Layers that read one activation (q, k and
-# v projections; an MLP's gate and up) cast it once. The backward, which autograd may run on another
-# thread, empties the forward's list through the reference its context keeps.
+@dataclass(frozen=True)
+class InputCast:
+    """One cast of a layer's input: a weak reference to the input, the input's version when cast,
+    the quantizer, and the quantized input."""
+
+    source: weakref.ref
+    version: int
+    quantizer: Quantizer
+    quantized: QuantizedTensor
+
+    def serves(self, x: torch.Tensor, quantizer: Quantizer, columnwise: bool) -> bool:
+        """Whether this cast is the cast `quantizer` would make of `x` now, in the directions asked."""
+        return (
+            self.source() is x and self.version == x._version and (self.quantized.has_columnwise or not columnwise)
+            and self.quantizer == quantizer
+        )
+
+
+class InputCastSlot:
+    """The most recent input cast of this thread (and task), or None. Layers that read one activation
+    (q, k and v projections; an MLP's gate and up) cast it once. The backward, which autograd may run
+    on another thread, empties the forward's slot through the reference its context keeps."""
+
+    __slots__ = ("last",)
+
+    def __init__(self):
+        self.last: InputCast | None = None
+
+
 _last_input_cast: contextvars.ContextVar = contextvars.ContextVar("qtensor_last_input_cast")
 
 
-def _input_cast_slot() -> list:
+def _input_cast_slot() -> InputCastSlot:
     slot = _last_input_cast.get(None)
     if slot is None:
-        slot = [None]
+        slot = InputCastSlot()
         _last_input_cast.set(slot)
     return slot
 
@@ -60,18 +86,10 @@ def _input_operand(quantizer: Quantizer | None, x: torch.Tensor, x2d: torch.Tens
         return x2d
     shareable = quantizer.casts_reproducibly() and not (torch.compiler.is_compiling() or is_fake(x) or x.is_inference())
     slot = _input_cast_slot()
-    if shareable:
-        last = slot[0]
-        if (
-            last is not None
-            and last[0]() is x
-            and last[1] == x._version
-            and (last[3].has_columnwise or not columnwise)
-            and last[2] == quantizer
-        ):
-            return last[3]
+    if shareable and slot.last is not None and slot.last.serves(x, quantizer, columnwise):
+        return slot.last.quantized
     quantized = quantizer.quantize(x2d, rowwise=True, columnwise=columnwise)
-    slot[0] = (weakref.ref(x), x._version, quantizer, quantized) if shareable else None
+    slot.last = InputCast(weakref.ref(x), x._version, quantizer, quantized) if shareable else None
     return quantized
 
 
@@ -182,7 +200,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        ctx.input_cast_slot[0] = None  # the forward is over: the last input cast is freed
+        ctx.input_cast_slot.last = None  # the forward is over: the last input cast is freed
         saved = ctx.saved_tensors
         split = len(saved) - len(ctx.w_rebuild.names if ctx.w_rebuild else [None])
         saved_x, saved_w = _unpack_saved(saved[:split], ctx.x_rebuild), _unpack_saved(saved[split:], ctx.w_rebuild)

@@ -20,7 +20,7 @@ what one process would quantize. The style's hooks move activations and gradient
 
 Under FSDP2 on a 2-D mesh, FSDP2 gathers its own dimension before these hooks run: the local shard is
 then FSDP2's gathered tensor-parallel shard, whose cast reduced its amaxes over both dimensions
-(`fsdp.shard_groups`).
+(`fsdp_state.shard_groups`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def state_of(weight) -> dict[str, torch.Tensor]:
     """The layer state `weight` carries by `<role>.<name>`: its bound (traced) tensors, else the live ones."""
     linear = weight.linear_quantizers
     live = linear.state_buffers() if linear is not None else {}
-    bound = weight.__dict__.get("_bound_state") or {}
+    bound = weight.bound_state or {}
     return {key: bound.get(key, tensor) for key, tensor in live.items()}
 
 
@@ -73,18 +73,18 @@ def bind(weight, inner_tensors: dict[str, torch.Tensor]) -> None:
     live = weight.linear_quantizers.state_buffers()
     bound = {_key(n): t for n, t in inner_tensors.items() if is_state_name(n) and t is not live.get(_key(n))}
     if bound:
-        weight._bound_state = bound
+        weight.bound_state = bound
 
 
 def has_bound_state(weight) -> bool:
-    return bool(weight.__dict__.get("_bound_state"))
+    return bool(getattr(weight, "bound_state", None))  # any tensor may be asked (a copy_ source)
 
 
 def copy_state(target, source) -> None:
     """Write the bound state of `source` (a traced weight's updated state) into `target`'s state."""
     mine = state_of(target)
     with torch.no_grad():
-        for key, value in source.__dict__["_bound_state"].items():
+        for key, value in source.bound_state.items():
             if mine[key] is not value:
                 mine[key].copy_(value)
 

@@ -20,10 +20,11 @@ import threading
 
 import torch
 
-from ..distributed import fsdp
+from ..distributed import fsdp, fsdp_state
 from . import traced_state, routing
 from .config import LinearQuantizers
 from ..core.ops import byte_compatible, copy_storages
+from ..core.plan import TENSOR_CLASSES
 from ..core.tensor import QuantizedTensor
 
 aten = torch.ops.aten
@@ -38,6 +39,8 @@ class LayerWeight:
     """
 
     linear_quantizers: LinearQuantizers
+    # Traced by torch.compile: the layer state this weight was rebuilt with (traced_state.py).
+    bound_state: dict | None = None
     stored_transposed = False  # a dynamic Conv1D weight keeps [in_features, out_features]
     quantized_at_use = False  # quantized by each linear call (a dynamic weight) or already quantized
 
@@ -60,10 +63,10 @@ class LayerWeight:
 
     def _note_fsdp(self, mesh, module) -> tuple:
         """What FSDP2's mesh tells the layer: its group reduces the layer's amaxes (unless the user
-        chose a group). Returns the groups this shard is spread over (`fsdp.groups_of_shard`)."""
+        chose a group). Returns the groups this shard is spread over (`fsdp_state.groups_of_shard`)."""
         running = self.linear_quantizers.running
         running.mesh_group = mesh.get_group()
-        return fsdp.groups_of_shard(self, mesh, running, module)
+        return fsdp_state.groups_of_shard(self, mesh, running, module)
 
 
 # ---- quantized weights: a format's tensor class with the layer weight's behaviour -------------------
@@ -71,6 +74,8 @@ class QuantizedWeight(LayerWeight):
     """Mixed into a format's QuantizedTensor class by `quantized_weight_class`."""
 
     _ops: dict = {}
+    # FSDP2 gathered this weight from a dynamic weight's shard: that shard's cast (shared by aliases).
+    gathered_cast: "GatheredCast | None" = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -90,7 +95,7 @@ class QuantizedWeight(LayerWeight):
                 "which dgrad needs. Quantize the weight with columnwise=True (qtensor.quantize_ does)."
             )
         # A weight FSDP2 gathered from a dynamic weight's shard carries the notes of that shard's cast.
-        cast = self.__dict__.get("gathered_cast")
+        cast = self.gathered_cast
         return (self, cast.notes, cast.version) if cast is not None else (self, [], None)
 
     def high_precision_matrix(self) -> torch.Tensor:
@@ -99,7 +104,7 @@ class QuantizedWeight(LayerWeight):
     def with_storages(self, rowwise, columnwise, shape=None, dtype=None, requires_grad=False):
         result = super().with_storages(rowwise, columnwise, shape=shape, dtype=dtype, requires_grad=requires_grad)
         result.linear_quantizers = self.linear_quantizers
-        if "gathered_cast" in self.__dict__:  # aliases (FSDP2's parameter over the gathered tensor) share it
+        if self.gathered_cast is not None:  # aliases (FSDP2's parameter over the gathered tensor) share it
             result.gathered_cast = self.gathered_cast
         return result
 
@@ -119,7 +124,7 @@ class QuantizedWeight(LayerWeight):
     def __tensor_flatten__(self):
         names, context = super().__tensor_flatten__()
         first = getattr(self, names[0])
-        cast = self.__dict__.get("gathered_cast")
+        cast = self.gathered_cast
         notes = cast.notes if cast is not None else []
         paths = tuple(_quantizer_path(self.linear_quantizers, quantizer) for quantizer, _ in notes)
         names = names + [f"cast__{i}" for i in range(len(notes))] + traced_state.inner_names(self, first)
@@ -138,7 +143,7 @@ class QuantizedWeight(LayerWeight):
         return result
 
     def __getattr__(self, name):
-        if name.startswith("cast__") and "gathered_cast" in self.__dict__:
+        if name.startswith("cast__") and self.gathered_cast is not None:
             return self.gathered_cast.notes[int(name.removeprefix("cast__"))][1]
         return LayerWeight.__getattr__(self, name)
 
@@ -152,7 +157,7 @@ class QuantizedWeight(LayerWeight):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         fsdp.agree_on_scales(self, self._note_fsdp(mesh, module))
         linear = self.linear_quantizers
-        needed = fsdp.directions_needed(linear, fsdp.regathers_before_backward(linear.running, module))
+        needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(linear.running, module))
         inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, self)
 
@@ -208,8 +213,17 @@ def quantized_weight_class(tensor_class: type) -> type:
     with _WEIGHT_CLASSES_LOCK:
         if data_class not in _WEIGHT_CLASSES:
             cls = type(f"{data_class.__name__}Weight", (QuantizedWeight, data_class), {"data_class": data_class, "__module__": __name__})
-            _WEIGHT_CLASSES[data_class] = globals()[cls.__name__] = cls  # findable by name, as pickle looks classes up
+            _WEIGHT_CLASSES[data_class] = cls
         return _WEIGHT_CLASSES[data_class]
+
+
+def __getattr__(name: str) -> type:
+    """`<Format>TensorWeight` (`MXFP8TensorWeight`): the layer-weight class of that format, made on
+    first use, so that pickle finds a generated class by the name it stores."""
+    data_class = TENSOR_CLASSES.get(name.removesuffix("Weight")) if name.endswith("Weight") else None
+    if data_class is not None:
+        return quantized_weight_class(data_class)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def quantized_weight(tensor: QuantizedTensor, linear: LinearQuantizers) -> QuantizedTensor:
