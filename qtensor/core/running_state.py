@@ -74,7 +74,9 @@ def _all_reduce_max(values: torch.Tensor, group) -> torch.Tensor:
         # A traceable collective: the compiled backward reduces the amaxes it writes.
         from torch.distributed import _functional_collectives as funcol
 
-        return funcol.all_reduce(values, "max", group)
+        # By the group's name: a ProcessGroup object would be a constant of the compiled backward's
+        # graph, which AOTAutograd deep-copies (and a ProcessGroup cannot be copied).
+        return funcol.all_reduce(values, "max", group.group_name)
     values = values.clone()
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values
