@@ -1,5 +1,5 @@
-"""The layout shows the architecture (STYLE.md): modules import one way, low layers stand alone,
-and every module is short enough to hold in mind.
+"""The layout shows the architecture (docs/architecture.md): each folder imports only the folders below it,
+low layers stand alone, and every module is short enough to hold in mind.
 
 The import graph is read from the source with `ast` (function-local imports included), not from
 what happens to be loaded; the low layers are imported in a fresh interpreter where the package's

@@ -327,7 +327,7 @@ def save_and_reload(run: Run, model: nn.Module, base: nn.Module, args, device: t
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m qtensor.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per recipe (default 120)")
     parser.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
