@@ -61,6 +61,31 @@ def test_every_kernel_of_the_table_is_registered_on_a_gpu():
     assert lookup("float8.cast", x) is kernels.TABLE.eager["float8.cast"]
 
 
+_COMPILED_FIRST = """
+import torch
+from torch import nn
+import qtensor
+from qtensor.core import kernels
+torch.manual_seed(0)
+layer = nn.Linear(128, 64, device="cuda")
+qtensor.quantize_(layer, qtensor.recipes.nvfp4())
+x = torch.randn(32, 128, device="cuda")
+compiled = torch.compile(layer)(x)  # the first lookup of the process comes while dynamo traces
+assert kernels.TABLE.loaded and set(kernels.TABLE.compiled) >= {"nvfp4.cast", "nvfp4.amaxes"}, kernels.TABLE.compiled
+torch.testing.assert_close(compiled, layer(x), rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_a_model_compiled_before_any_eager_step_loads_the_kernels():
+    """The table's loader runs outside the traced graph when the first lookup comes under torch.compile."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _COMPILED_FIRST], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("shape", [(256, 512), (68, 200), (4, 3), (37, 45), (1, 1), (130, 7), (0, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(QUANTIZERS))

@@ -16,11 +16,8 @@ import torch
 import qtensor
 from legacy.make_files import CASES, model_of
 
-FOLDERS = sorted(
-    os.path.join(os.path.dirname(__file__), "legacy", name)
-    for name in os.listdir(os.path.join(os.path.dirname(__file__), "legacy"))
-    if os.path.isfile(os.path.join(os.path.dirname(__file__), "legacy", name, "expected.pt"))
-)
+LEGACY = os.path.join(os.path.dirname(__file__), "legacy")
+FOLDERS = sorted(os.path.join(LEGACY, name) for name in os.listdir(LEGACY) if os.path.isfile(os.path.join(LEGACY, name, "expected.pt")))
 PROBE = torch.randn(16, 64, generator=torch.Generator().manual_seed(7))
 
 

@@ -72,6 +72,9 @@ class KernelTable:
         self.loaded = False
         self.lock = threading.Lock()
 
+    # Run eagerly even when the first lookup comes while torch.compile traces (a model compiled
+    # before any eager step): one graph break there, never a lock or an import inside a graph.
+    @torch.compiler.disable
     def load(self) -> None:
         with self.lock:
             if self.loaded:
