@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 import qtensor
 from bench_linear import Attention
 from qtensor.distributed import sequence_parallel
-from qtensor.layers.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
+from qtensor.distributed.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
 
 
 class MLP(nn.Module):

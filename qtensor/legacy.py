@@ -29,7 +29,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "qtensor.running_state": ("qtensor.core.running_state",),
     "qtensor.packing": ("qtensor.distributed.packing",),
     "qtensor.fsdp": ("qtensor.distributed.fsdp",),
-    "qtensor.sequence_parallel": ("qtensor.distributed.sequence_parallel", "qtensor.layers.tensor_parallel"),
+    "qtensor.sequence_parallel": ("qtensor.distributed.sequence_parallel", "qtensor.distributed.tensor_parallel"),
     "qtensor.layer": ("qtensor.layers.config",),
     "qtensor.linear": ("qtensor.layers.linear",),
     "qtensor.routing": ("qtensor.layers.routing",),
@@ -37,7 +37,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "qtensor.layer_state": ("qtensor.layers.traced_state",),
     "qtensor.weight": ("qtensor.layers.weight",),
     "qtensor.dynamic_weight": ("qtensor.layers.dynamic_weight",),
-    "qtensor.tensor_parallel": ("qtensor.layers.tensor_parallel",),
+    "qtensor.tensor_parallel": ("qtensor.distributed.tensor_parallel",),
     "qtensor.recipe": ("qtensor.recipes",),
     "qtensor.formats_table": ("qtensor.demo.formats_table",),
 }

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .distributed.fsdp_state import placement_groups
-from .core.numerics import reduce_amax_over
+from .core.numerics import sharded_cast
 from .core.tensor import QuantizedTensor
 
 
@@ -176,7 +175,7 @@ class MasterWeights(torch.optim.Optimizer):
         for param, master in self.pairs:
             mesh = getattr(param, "device_mesh", None)
             groups = placement_groups(mesh, param.placements) if mesh is not None else ()
-            with reduce_amax_over(groups) if groups else contextlib.nullcontext():
+            with sharded_cast(groups, owner="MasterWeights.write_back"):
                 param.copy_(master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import sys
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,7 +15,7 @@ from .layers.dynamic_weight import DynamicWeight
 from .layers.config import LayerRunning, LinearQuantizers, carries_quantizers
 from .recipes import Recipe
 from .core.tensor import QuantizedTensor
-from .layers import tensor_parallel
+from .distributed import tensor_parallel
 from .layers.weight import quantized_weight
 
 WEIGHT_MODES = ("dynamic", "quantized")
@@ -183,7 +182,7 @@ def quantize_(
                 name=site.layer,
                 parameter="" if site.attribute == "weight" else site.parameter,
                 transposed=site.transposed,
-                running=LayerRunning(amax_reduction_group, weakref.ref(model)),
+                running=LayerRunning(amax_reduction_group),
             )
             plan.append((site, linear))
     unmatched = [pattern for pattern in exclude if pattern not in matched]

@@ -1,6 +1,6 @@
 """What FSDP2's batched amax reduction relies on (docs/fsdp2.md): each quantizer's `tensor_amaxes`
 lists exactly the local amaxes its cast of one shard reduces, in the order the cast asks for them,
-and a cast handed those amaxes already reduced (`numerics.pre_reduced_amaxes`) writes the same bytes
+and a cast handed those amaxes already reduced (`numerics.sharded_cast(groups, reduced=...)`) writes the same bytes
 as one that reduces them itself. A count that does not match raises.
 
 On the CPU (the reference casts) and, where there is one, on a CUDA GPU (the kernels' casts). The
@@ -12,7 +12,7 @@ import torch
 
 from qtensor import Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from qtensor.core import running_state
-from qtensor.core.numerics import pre_reduced_amaxes, reduce_amax_over
+from qtensor.core.numerics import sharded_cast
 from qtensor.core.quantizer import Quantizer
 
 QUANTIZERS = {
@@ -47,7 +47,7 @@ def cast_reducing(quantizer, x, rowwise, columnwise, monkeypatch):
     """The cast of one shard that reduces its own amaxes, and the local amaxes it handed to all_reduce."""
     handed = []
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *args, **kwargs: handed.append(tensor.clone()))
-    with running_state.noting(), reduce_amax_over(GROUP):
+    with running_state.noting(), sharded_cast(GROUP):
         cast = quantizer.copy().quantize(x, rowwise=rowwise, columnwise=columnwise)
     monkeypatch.undo()
     return cast, handed
@@ -73,7 +73,7 @@ def test_tensor_amaxes_are_what_the_cast_reduces_and_the_cast_takes_them_reduced
         for mine, theirs in zip(declared, handed):
             assert mine.dtype == torch.float32 and mine.device == x.device
             assert torch.equal(mine.reshape(()), theirs.reshape(())), (rows, cols, mine, theirs)
-        with running_state.noting(), pre_reduced_amaxes(declared, name):
+        with running_state.noting(), sharded_cast(GROUP, reduced=declared, owner=name):
             taken = quantizer.copy().quantize(x, rowwise=rowwise, columnwise=columnwise)
         mine, theirs = buffer_bytes(taken), buffer_bytes(cast)
         assert mine.keys() == theirs.keys()
@@ -104,10 +104,10 @@ def test_a_cast_that_takes_more_or_fewer_amaxes_than_were_reduced_raises():
     x = weight_like(32, 32, torch.float32, "cpu")
     amax = x[torch.isfinite(x)].abs().max()
     with pytest.raises(RuntimeError, match="layer.weight: its cast asks for more tensor-wide amaxes than the 0"):
-        with pre_reduced_amaxes([], "layer.weight"):
+        with sharded_cast(GROUP, reduced=[], owner="layer.weight"):
             Float8Quantizer().quantize(x)
     with pytest.raises(RuntimeError, match="layer.weight: its cast took 1 tensor-wide amaxes of the 2"):
-        with pre_reduced_amaxes([amax, amax], "layer.weight"):
+        with sharded_cast(GROUP, reduced=[amax, amax], owner="layer.weight"):
             Float8Quantizer().quantize(x)
-    with pre_reduced_amaxes([amax], "layer.weight"):
+    with sharded_cast(GROUP, reduced=[amax], owner="layer.weight"):
         Float8Quantizer().quantize(x)  # exactly one: fine

@@ -287,19 +287,19 @@ def test_a_linear_training_step_makes_no_host_sync(recipe, weights):
 
 
 @pytest.mark.parametrize("name", ["e4m3", "delayed"])
-def test_a_shard_quantized_inside_reduce_amax_over_casts_as_the_whole(name):
+def test_a_shard_quantized_inside_sharded_cast_casts_as_the_whole(name):
     """The sharded path of the kernels (a 0-d amax reduced over the group; delayed scaling's partial
     amaxes reduced before they are recorded), on a one-rank NCCL group: bytes and history as unsharded."""
     import torch.distributed as dist
 
-    from qtensor.core.numerics import reduce_amax_over
+    from qtensor.core.numerics import sharded_cast
 
     x = hard_input(96, 160, torch.bfloat16)
     sharded_quantizer, whole_quantizer = QUANTIZERS[name](), QUANTIZERS[name]()
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         for _ in range(2):
-            with reduce_amax_over(dist.group.WORLD):
+            with sharded_cast(dist.group.WORLD):
                 sharded = raw(sharded_quantizer.quantize(x))
             whole = raw(whole_quantizer.quantize(x))
             for key in whole:

@@ -115,7 +115,7 @@ def plan(sequence_parallel: bool | str) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from qtensor.layers.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
+    from qtensor.distributed.tensor_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel
 
     row_output = Shard(1) if sequence_parallel else Replicate()
     row = QuantizedRowwiseParallel if sequence_parallel == "quantized" else RowwiseParallel
@@ -291,7 +291,7 @@ def run_distributed(out_path: str) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, SequenceParallel, parallelize_module
 
-    from qtensor.layers.tensor_parallel import QuantizedRowwiseParallel
+    from qtensor.distributed.tensor_parallel import QuantizedRowwiseParallel
 
     model = build("float8_delayed", "dynamic")
     for block in model.layers:

@@ -64,87 +64,90 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax().float()
 
 
-# Where a tensor-wide amax comes from while one shard of a sharded tensor is cast: the process group
-# over which it is reduced, or a `PreReducedAmaxes` holding it already reduced (a context variable:
-# per thread and task).
-_amax_group: contextvars.ContextVar = contextvars.ContextVar("qtensor_amax_group", default=None)
+class AmaxReduction:
+    """How the cast of one shard of a tensor spread over ranks takes the whole tensor's tensor-wide
+    amaxes, so that every shard gets one scale and a sharded run equals a single-process one
+    (docs/design.md, FSDP2): each amax the cast makes (`tensor_amax`, `reduce_amax`) is the MAX over
+    the ranks of `groups` (one process group, or several mesh dimensions, reduced over in turn).
 
+    With `reduced`, the amaxes were reduced before the cast (in one collective with other shards'),
+    and the cast takes them in the order it asks for them (`Quantizer.tensor_amaxes`) without
+    reading its own values for them; it must take every one. Entered with `sharded_cast`."""
 
-@contextlib.contextmanager
-def reduce_amax_over(group):
-    """Inside, every tensor-wide amax (`tensor_amax`) is the MAX over `group`'s ranks: the shards of
-    one sharded tensor get one scale, so a sharded run equals a single-process one (docs/design.md, FSDP2).
-    `group` may be a tuple of groups (a tensor sharded over several mesh dimensions, FSDP2 over one
-    and tensor parallelism over another): the MAX over each in turn is the MAX over all of them."""
-    token = _amax_group.set(group)
-    try:
-        yield
-    finally:
-        _amax_group.reset(token)
+    def __init__(self, groups, reduced=None, owner: str = "a cast"):
+        self.groups = groups if isinstance(groups, tuple) else (groups,)
+        self.reduced = None if reduced is None else list(reduced)
+        self.owner, self.taken = owner, 0
 
+    @property
+    def pre_reduced(self) -> bool:
+        return self.reduced is not None
 
-class PreReducedAmaxes:
-    """The tensor-wide amaxes of one cast, already reduced over the ranks, in the order the cast asks
-    for them (`Quantizer.tensor_amaxes`): each `tensor_amax` / `reduce_amax` takes the next."""
-
-    def __init__(self, amaxes, owner: str):
-        self.amaxes, self.owner, self.taken = list(amaxes), owner, 0
-
-    def take(self) -> torch.Tensor:
-        if self.taken == len(self.amaxes):
+    def reduce(self, amax: torch.Tensor) -> torch.Tensor:
+        """`amax`, this rank's, max-ed in place over the groups; or the next amax reduced before."""
+        if self.reduced is None:
+            all_reduce_max(amax, self.groups)
+            return amax
+        if self.taken == len(self.reduced):
             raise RuntimeError(
-                f"{self.owner}: its cast asks for more tensor-wide amaxes than the {len(self.amaxes)} reduced "
+                f"{self.owner}: its cast asks for more tensor-wide amaxes than the {len(self.reduced)} reduced "
                 "before it; the quantizer's tensor_amaxes() must list every amax its cast reduces, in order."
             )
         self.taken += 1
-        return self.amaxes[self.taken - 1]
+        return self.reduced[self.taken - 1]
+
+    def check_all_taken(self) -> None:
+        if self.reduced is not None and self.taken != len(self.reduced):
+            raise RuntimeError(
+                f"{self.owner}: its cast took {self.taken} tensor-wide amaxes of the {len(self.reduced)} reduced "
+                "before it; the quantizer's tensor_amaxes() must list exactly the amaxes its cast reduces, in order."
+            )
+
+
+# The reduction of the shard being cast, or None: the tensor is whole (a context variable: per
+# thread and task; the casts run deep inside the formats and inside aten.copy_, whose signatures
+# carry no process group).
+_sharded: contextvars.ContextVar = contextvars.ContextVar("qtensor_sharded_cast", default=None)
 
 
 @contextlib.contextmanager
-def pre_reduced_amaxes(amaxes, owner: str):
-    """Inside, the cast of one shard takes its tensor-wide amaxes from `amaxes` (each already the MAX
-    over the ranks) instead of reducing them; on leaving, every one of them must have been taken."""
-    queue = PreReducedAmaxes(amaxes, owner)
-    token = _amax_group.set(queue)
+def sharded_cast(groups, *, reduced=None, owner: str = "a cast"):
+    """Inside, every cast is of one shard of a tensor spread over the ranks of `groups`: its
+    tensor-wide amaxes are the whole tensor's (`AmaxReduction`). No groups: the tensor is whole."""
+    reduction = AmaxReduction(groups, reduced, owner) if groups or reduced is not None else None
+    token = _sharded.set(reduction)
     try:
         yield
     finally:
-        _amax_group.reset(token)
-    if queue.taken != len(queue.amaxes):
-        raise RuntimeError(
-            f"{owner}: its cast took {queue.taken} tensor-wide amaxes of the {len(queue.amaxes)} reduced before it; "
-            "the quantizer's tensor_amaxes() must list exactly the amaxes its cast reduces, in order."
-        )
+        _sharded.reset(token)
+    if reduction is not None:
+        reduction.check_all_taken()
 
 
 def sharded_quantization() -> bool:
-    """True inside `reduce_amax_over` or `pre_reduced_amaxes`: the tensor being quantized is one shard of a larger one."""
-    return _amax_group.get() is not None
+    """True inside `sharded_cast`: the tensor being quantized is one shard of a larger one."""
+    return _sharded.get() is not None
 
 
 def amaxes_pre_reduced() -> bool:
-    """True inside `pre_reduced_amaxes`: a cast need not compute its local amaxes (`tensor_amax` ignores them)."""
-    return isinstance(_amax_group.get(), PreReducedAmaxes)
+    """True inside a `sharded_cast` given its reduced amaxes: a cast need not compute its local ones."""
+    reduction = _sharded.get()
+    return reduction is not None and reduction.pre_reduced
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """The amax that sets a tensor-wide scale: `finite_amax`, reduced over the ranks holding the
-    other shards when inside `reduce_amax_over`, or the next pre-reduced one (`x` is not read)."""
-    source = _amax_group.get()
-    if isinstance(source, PreReducedAmaxes):
-        return source.take()
+    """The amax that sets a tensor-wide scale: `finite_amax`, made the whole tensor's inside
+    `sharded_cast` (reduced over the ranks, or the next one reduced before; `x` is not read then)."""
+    reduction = _sharded.get()
+    if reduction is not None and reduction.pre_reduced:
+        return reduction.reduce(None)
     return reduce_amax(finite_amax(x))
 
 
 def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
-    """`amax` (of this rank's shard) max-ed in place over `reduce_amax_over`'s group, if inside it;
-    inside `pre_reduced_amaxes`, the next pre-reduced amax instead."""
-    source = _amax_group.get()
-    if isinstance(source, PreReducedAmaxes):
-        return source.take()
-    if source is not None:
-        all_reduce_max(amax, source)
-    return amax
+    """`amax`, this rank's, made the whole tensor's inside `sharded_cast`; as is outside it."""
+    reduction = _sharded.get()
+    return amax if reduction is None else reduction.reduce(amax)
 
 
 def all_reduce_max(tensor: torch.Tensor, groups) -> None:

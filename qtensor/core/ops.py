@@ -186,7 +186,7 @@ def _copy(func, args, kwargs):
     plain = plain.to(device=self.device, dtype=self.dtype).expand(self.shape)
     fresh = self.quantizer.quantize(plain, rowwise=self.has_rowwise, columnwise=self.has_columnwise)
     copy_storages(self, fresh)
-    # A shard written outside reduce_amax_over has a scale of its own rows: fsdp.py checks, at its
+    # A shard written outside sharded_cast has a scale of its own rows: fsdp.py checks, at its
     # next all-gather, that every rank's scale agrees.
     mark_scales(self, numerics.sharded_quantization())
     return self

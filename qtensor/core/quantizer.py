@@ -140,7 +140,7 @@ class Quantizer:
         holding the other shards (each `tensor_amax` / `reduce_amax` it makes), computed on `x`
         alone and in the order the cast asks for them; [] for a format without any. FSDP2 reduces
         every dynamic weight's in one collective before their casts (dynamic_weight.py), which then
-        take them in that order (numerics.pre_reduced_amaxes). None, the default: not declared, so
+        take them in that order (numerics.sharded_cast with reduced=). None, the default: not declared, so
         this quantizer's casts reduce their own amaxes, one collective each."""
         return None
 

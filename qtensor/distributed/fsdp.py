@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.numerics import all_reduce_max, ceil_div, reduce_amax_over
+from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
 from ..core.ops import mark_scales, scales_agreed
 from .fsdp_state import placement_groups
 from .packing import aligned as _aligned, row_buffers as _row_buffers, unpacked_rows
@@ -104,8 +104,6 @@ def agree_on_scales(tensor: QuantizedTensor, groups) -> None:
     requantizes its shard from its exact values with the amax reduced over `groups` (`shard_groups`)."""
     if scales_agreed(tensor):
         return
-    import torch.distributed as dist
-
     values = [
         getattr(storage, spec.name).float().reshape(-1)
         for storage in (tensor.rowwise, tensor.columnwise)
@@ -119,7 +117,7 @@ def agree_on_scales(tensor: QuantizedTensor, groups) -> None:
         all_reduce_max(high, groups)
         all_reduce_max(low, groups)
         if not torch.equal(high, -low):  # the same answer on every rank: all requantize or none
-            with reduce_amax_over(groups), torch.no_grad():
+            with sharded_cast(groups), torch.no_grad():
                 tensor.copy_(tensor.dequantize())
     mark_scales(tensor, True)
 

@@ -11,9 +11,11 @@ its public API gives. Three things qtensor needs are only in its private state:
   mesh dimension on a 2-D mesh: `shard_mesh_from_root`, `_unsharded_dtensor_spec`, matched to the
   hook's tensor by `_sharded_local_tensor`). Fallback: FSDP2's mesh alone (a tensor-parallel layer
   then refuses to run, naming itself);
-- every parameter of the model's parameter groups (`_get_fsdp_state`, `_fsdp_param_group(s)`,
-  `fsdp_params`), to reduce every stale dynamic weight's amaxes in one collective. Fallback: each
-  cast reduces its own amaxes (the same values, one collective each).
+- FSDP2's states (torch's table of composable-API states, `_composable_state._module_state_mapping`;
+  a model's states, `_state_ctx.all_states`) and in them every parameter group
+  (`_fsdp_param_group(s)`, `fsdp_params`): to find the group that holds a layer's weight (for the two
+  reads above), and to reduce every stale dynamic weight shard's amaxes of a model in one collective. Fallback: each cast reduces its own amaxes (the same values, one collective
+  each), and the two reads above take theirs.
 
 Each read is written to fail with AttributeError or AssertionError on a torch whose state looks
 different, and each caller takes the fallback then.
@@ -25,45 +27,94 @@ from dataclasses import dataclass
 
 import torch
 
-def regathers_before_backward(running, module) -> bool | None:
-    """Whether FSDP2 gathers this layer's weight again before backward (`reshard_after_forward`).
 
-    Read from the FSDP2 state of the module FSDP2 passes to the hook (the module owning the
-    parameter) or of the `fully_shard`-ed module above it, found once under the model
-    `quantize_` was given (`running.root`). None where that cannot be read (a torch whose FSDP2
-    state looks different, a model sharded above the module quantize_ was given): the forward
-    gather then also brings what the backward reads, which is correct and sends more bytes."""
+@dataclass(frozen=True)
+class FsdpLayer:
+    """What FSDP2's hooks tell a layer about how its weight is sharded, noted by the weight's first
+    hook (`layer_sharding`) and kept in the layer's `LayerRunning.fsdp`:
+
+    - `mesh_group`: FSDP2's process group, which reduces the layer's delayed-scaling amaxes unless
+      the user chose a group;
+    - `shard_groups`: every group the weight's pieces are spread over (`shard_groups`), over which its
+      casts reduce their tensor-wide amaxes;
+    - `param_group`: FSDP2's parameter group holding the weight, and `model_groups` every parameter
+      group of the model it belongs to (the tree under one `fully_shard` root, in the same order on
+      every rank); None and () where FSDP2's state could not be read."""
+
+    mesh_group: object
+    shard_groups: tuple
+    param_group: object | None
+    model_groups: tuple = ()
+
+
+def layer_sharding(running, local: torch.Tensor, mesh, module) -> FsdpLayer:
+    """The `FsdpLayer` of the layer whose weight's FSDP2 shard is `local` (the tensor FSDP2's hooks
+    are called on, with `mesh` and the `module` owning the parameter), found once and kept in
+    `running.fsdp`. Where FSDP2's state cannot be read, its mesh alone holds the pieces (a
+    tensor-parallel layer then refuses to run, tensor_parallel.py)."""
+    group = mesh.get_group()
+    known = running.fsdp
+    if known is None or known.mesh_group is not group:
+        param_group = _param_group_of(module)
+        params = [p for p in (param_group.fsdp_params if param_group is not None else ()) if p._sharded_local_tensor is local]
+        groups = shard_groups(params[0]) if params else (group,)
+        known = running.fsdp = FsdpLayer(group, groups, param_group, _model_groups(param_group))
+    return known
+
+
+def regathers_before_backward(fsdp: FsdpLayer) -> bool | None:
+    """Whether FSDP2 gathers this layer's weight again before backward (`reshard_after_forward` of
+    its parameter group). None where that cannot be read (a torch whose FSDP2 state looks different):
+    the forward gather then also brings what the backward reads, which is correct and sends more bytes."""
     try:
-        return bool(layer_param_group(running, module)._reshard_after_forward)
+        return bool(fsdp.param_group._reshard_after_forward)
     except AttributeError:
         return None
 
 
-def layer_param_group(running, module):
-    """The FSDP2 parameter group holding the parameters of `module` (the module FSDP2 passes to the
-    hooks), found once under `running.root` and kept in `running.fsdp_group`; None if not found."""
-    group = running.fsdp_group
-    if group is None:
-        # False: looked for and not found (not looked for again).
-        group = running.fsdp_group = _param_group_of(module, running.root() if running.root is not None else None) or False
-    return group or None
+def _fsdp_states():
+    """Every FSDP2 state of this process, one for each `fully_shard` call: FSDP2 registers each with
+    torch's table of composable-API states. Models no longer used may still be listed (until the
+    garbage collector, which runs at its own time on each rank, frees them)."""
+    try:
+        from torch.distributed import _composable_state
+
+        references = list(_composable_state._module_state_mapping.values())
+    except (ImportError, AttributeError):
+        return
+    seen = set()
+    for reference in references:
+        state = reference()
+        if state is not None and hasattr(state, "_fsdp_param_group") and id(state) not in seen:
+            seen.add(id(state))
+            yield state
 
 
-def _param_group_of(module, root):
+def _param_group_of(module):
     """The FSDP2 parameter group that holds `module`'s parameters, or None."""
-    candidates = [module] + ([] if root is None else list(root.modules()))
-    for candidate in candidates:
-        get_state = getattr(candidate, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
+    for group in param_groups(_fsdp_states()):
         try:
-            group = get_state()._fsdp_param_group
             owners = [param._module_info.module for param in group.fsdp_params]
-        except (AttributeError, AssertionError):
+        except AttributeError:
             continue
         if any(owner is module for owner in owners):
             return group
     return None
+
+
+def _model_groups(param_group) -> tuple:
+    """Every parameter group of the FSDP2 model `param_group` belongs to: the states its root's lazy
+    initialisation lists (`_state_ctx.all_states`, in the order of the root's modules, the same on
+    every rank), which every state of the tree shares. () where that cannot be read."""
+    if param_group is None:
+        return ()
+    for state in _fsdp_states():
+        try:
+            if any(group is param_group for group in param_groups([state])):
+                return tuple(param_groups(state._state_ctx.all_states))
+        except AttributeError:
+            return ()
+    return ()
 
 
 @dataclass(frozen=True)
@@ -92,18 +143,6 @@ def placement_groups(mesh, placements) -> tuple:
     return tuple(mesh.get_group(dim) for dim, p in enumerate(placements) if not (p.is_replicate() or p.is_partial()))
 
 
-def groups_of_shard(local: torch.Tensor, mesh, running, module) -> tuple:
-    """`shard_groups` of the parameter whose FSDP2 shard is `local` (the tensor FSDP2's hooks are
-    called on), kept in `running.shard_groups`; FSDP2's mesh alone where its state cannot be read
-    (a tensor-parallel layer then refuses to run, tensor_parallel.py)."""
-    group = mesh.get_group()
-    if running.shard_groups is None or running.shard_groups[0] is not group:
-        found = layer_param_group(running, module)
-        params = [p for p in (found.fsdp_params if found is not None else ()) if p._sharded_local_tensor is local]
-        running.shard_groups = shard_groups(params[0]) if params else (group,)
-    return running.shard_groups
-
-
 def sharded_parameters(groups) -> list[ShardedParameter]:
     """Every parameter of FSDP2's parameter `groups`, in their order (the same on every rank).
     Parameters it offloads to the CPU are left out: their hooks run on a copy made for each gather."""
@@ -118,15 +157,10 @@ def sharded_parameters(groups) -> list[ShardedParameter]:
     return found
 
 
-def param_groups(root):
-    """FSDP2's parameter groups under the module `root`, in the order of `root.modules()` (the same
-    on every rank); none where FSDP2's state cannot be read."""
-    for module in root.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
+def param_groups(states):
+    """The parameter groups of FSDP2's `states`, in their order; none where FSDP2's state cannot be read."""
+    for state in states:
         try:
-            state = get_state()
             groups = getattr(state, "_fsdp_param_groups", None)
             groups = [g for g in (groups if groups is not None else [state._fsdp_param_group]) if g is not None]
         except (AttributeError, AssertionError):

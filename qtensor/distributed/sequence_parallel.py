@@ -21,6 +21,8 @@ Pieces are reordered after the gather: a batch-first activation `[batch, tokens,
 its tokens holds, on each rank, `batch` runs of rows of the whole 2-D view. Each run must hold whole
 blocks of both directions (for MXFP8, 32 tokens per rank; checked, with an error naming the layer).
 
+The projections find the gathered activation's `GatheredTokens` placement (core/placement.py) through
+the activation itself: it checks what they read and keeps the columnwise copy for their backward.
 A projection that cannot take the gathered cast raises, naming itself:
 - one whose input quantizer differs from the one the gather cast with;
 - one with `backward_override="high_precision"`, which needs the high-precision input;
@@ -36,11 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.numerics import reduce_amax_over
+from ..core.numerics import sharded_cast
+from ..core.placement import Placement, place
 from ..core.quantizer import fold_to_2d
 from .packing import aligned, row_buffers, unpacked_rows
 from ..core.storage import Storage
-from ..core.tensor import QuantizedTensor, split_rebuilt
+from ..core.tensor import split_rebuilt
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -121,42 +124,47 @@ class TokenLayout:
         return gathered
 
 
-# The rowwise storage of a gathered activation → (its TokenLayout, this rank's columnwise storage).
-# Views of the activation (DTensor.to_local, a reshape to 2-D) keep the storage object, so the
-# projections find it; it lives as long as the activation does.
-_COLUMNWISE_LATER: "weakref.WeakKeyDictionary[Storage, tuple[TokenLayout, Storage]]" = weakref.WeakKeyDictionary()
+class GatheredTokens(Placement):
+    """The placement of an activation gathered quantized over a tensor-parallel group: whole in its
+    rowwise copy, which the projections multiply as it arrived, and this rank's rows of its
+    columnwise copy (`local_columnwise`, None where no backward reads it), which the first weight
+    gradient that reads it gathers over `layout`."""
 
+    def __init__(self, layout: TokenLayout, local_columnwise: Storage | None):
+        super().__init__()
+        self.layout, self.local_columnwise = layout, local_columnwise
 
-def deferred_columnwise(tensor: QuantizedTensor) -> tuple[TokenLayout, Storage] | None:
-    """For a gathered activation: (its layout, this rank's columnwise storage), which the backward
-    gathers (TokenLayout.gathered_columnwise); None for any other tensor."""
-    return _COLUMNWISE_LATER.get(tensor.rowwise) if tensor.rowwise is not None else None
+    def arrived(self, quantizer, tensor, layer, role, *, directions):
+        name = layer.name or "<root>"
+        if quantizer is None or quantizer != tensor.quantizer:
+            raise ValueError(
+                f"layer {name!r}: its input arrived quantized by PrepareQuantizedModuleInput with "
+                f"{tensor.quantizer.describe()}, but the layer's input quantizer is "
+                f"{'none' if quantizer is None else quantizer.describe()}. Name this layer in the style's "
+                "quantizer_from, give the layers that read one input the same input quantizer, or use PrepareModuleInput."
+            )
+        if layer.backward_override == "high_precision":
+            raise ValueError(
+                f"layer {name!r}: backward_override='high_precision' computes its gradients from the high-precision "
+                "input, which a quantized all-gather does not carry. Use PrepareModuleInput for this block."
+            )
+        if "columnwise" in directions and self.local_columnwise is None:
+            raise ValueError(
+                f"layer {name!r}: its weight gradient needs the columnwise copy of its input, which "
+                "PrepareQuantizedModuleInput made for no gradient: it cast under torch.no_grad, for a block whose "
+                "parameters need no gradient, or for one whose layers all override their backward. Run the block's "
+                "forward with gradients enabled."
+            )
+        return tensor.with_storages(tensor.rowwise, None, shape=fold_to_2d(tensor).shape)
 
+    def saved(self, tensor, direction):
+        if direction != "columnwise" or self.local_columnwise is None:
+            return super().saved(tensor, direction)
+        self.layout.users += 1
+        return self.local_columnwise, self
 
-def input_operand(quantizer, x: QuantizedTensor, layer, *, columnwise: bool) -> QuantizedTensor:
-    """The 2-D operand a projection multiplies when its input arrived cast (a quantized all-gather).
-    `columnwise`: its weight gradient reads the columnwise copy, which the backward gathers."""
-    name = layer.name or "<root>"
-    if quantizer is None or quantizer != x.quantizer:
-        raise ValueError(
-            f"layer {name!r}: its input arrived quantized by PrepareQuantizedModuleInput with "
-            f"{x.quantizer.describe()}, but the layer's input quantizer is "
-            f"{'none' if quantizer is None else quantizer.describe()}. Name this layer in the style's "
-            "quantizer_from, give the layers that read one input the same input quantizer, or use PrepareModuleInput."
-        )
-    if layer.backward_override == "high_precision":
-        raise ValueError(
-            f"layer {name!r}: backward_override='high_precision' computes its gradients from the high-precision "
-            "input, which a quantized all-gather does not carry. Use PrepareModuleInput for this block."
-        )
-    if columnwise and deferred_columnwise(x) is None:
-        raise ValueError(
-            f"layer {name!r}: its weight gradient needs the columnwise copy of its input, which "
-            "PrepareQuantizedModuleInput made for no gradient: it cast under torch.no_grad, for a block whose "
-            "parameters need no gradient, or for one whose layers all override their backward. Run the block's "
-            "forward with gradients enabled."
-        )
-    return x.with_storages(x.rowwise, None, shape=fold_to_2d(x).shape)
+    def restored(self, storage: Storage) -> Storage:
+        return self.layout.gathered_columnwise(storage)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -168,15 +176,14 @@ class _GatherTokens(torch.autograd.Function):
     def forward(ctx, x, quantizer, mesh, dim: int, columnwise: bool):
         group, world = mesh.get_group(), mesh.size()
         x2d = fold_to_2d(x)
-        with reduce_amax_over(group):
+        with sharded_cast(group):
             local = quantizer.quantize(x2d, rowwise=True, columnwise=columnwise)
         outer = math.prod(x.shape[:dim])
         layout = TokenLayout(group, world, outer, x2d.shape[0] // outer, x.element_size())
         shape = (*x.shape[:dim], x.shape[dim] * world, *x.shape[dim + 1 :])
         (rowwise,) = layout.gather([local.rowwise])
         whole = local.with_storages(rowwise, None, shape=torch.Size(shape))
-        if columnwise:
-            _COLUMNWISE_LATER[whole.rowwise] = (layout, local.columnwise)
+        place(whole, GatheredTokens(layout, local.columnwise if columnwise else None))
         ctx.mesh, ctx.dim, ctx.layout = mesh, dim, layout
         return DTensor.from_local(whole, mesh, (Replicate(),), run_check=False)
 
@@ -302,17 +309,6 @@ def _all_gather(output: torch.Tensor, payload: torch.Tensor, group) -> None:
 _GRADIENT_GATHER_PAYS: dict[tuple, bool] = {}
 
 
-def gradient_operand(quantizer, grad: QuantizedTensor, layer) -> QuantizedTensor:
-    """The output gradient a row-parallel layer's backward multiplies when it arrived cast (a quantized
-    all-gather, `QuantizedRowwiseParallel`): the layer's own quantizer made it, so it is used as is."""
-    if quantizer is None or quantizer != grad.quantizer:
-        raise ValueError(
-            f"layer {layer.name or '<root>'!r}: its output gradient arrived quantized with "
-            f"{grad.quantizer.describe()}, not with the layer's grad_output quantizer."
-        )
-    return grad
-
-
 class _ScatterTokens(torch.autograd.Function):
     """Forward: a row-parallel layer's partial sums reduce-scattered to this rank's tokens, in their
     dtype. Backward: the gradient of this rank's tokens cast once by the layer's grad_output quantizer
@@ -332,7 +328,7 @@ class _ScatterTokens(torch.autograd.Function):
         grad2d = fold_to_2d(grad)
         key = (quantizer, tuple(grad2d.shape), grad.dtype, ctx.directions)
         if _GRADIENT_GATHER_PAYS.get(key, True):
-            with reduce_amax_over(mesh.get_group()):
+            with sharded_cast(mesh.get_group()):
                 local = quantizer.quantize(grad2d, rowwise="rowwise" in ctx.directions, columnwise="columnwise" in ctx.directions)
             rebuilt, sent = split_rebuilt(local, ctx.directions)
             sent_bytes = sum(b.nbytes for d in sent for b in local.storage_for(d).buffers.values())

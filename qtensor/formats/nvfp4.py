@@ -382,7 +382,7 @@ class NVFP4Quantizer(Quantizer):
 
     def _amaxes(self, x, columnwise):
         """The global amax of `x` and that of the columnwise copy (of the transformed values with `rht`),
-        each reduced over the shards' ranks inside `reduce_amax_over`."""
+        each reduced over the shards' ranks inside `sharded_cast`."""
         if not (self.rht and columnwise):
             global_amax = tensor_amax(x)
             return global_amax, global_amax

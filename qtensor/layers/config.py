@@ -20,30 +20,29 @@ class LayerRunning:
 
     - `amax_group`: the process group whose ranks reduce this layer's delayed-scaling amaxes before
       they are recorded (`quantize_(..., amax_reduction_group=)`); None: the FSDP2 mesh's group,
-      which the weight's FSDP2 hook notes in `mesh_group`, or no reduction in one process.
-    - `shard_groups`: every group the weight's FSDP2 shard is spread over (FSDP2's mesh, and the
-      tensor-parallel one on a 2-D mesh), over which its casts reduce their tensor-wide amaxes.
+      or no reduction in one process.
+    - `fsdp`: what FSDP2's hooks told the layer about how its weight is sharded (an `FsdpLayer`,
+      distributed/fsdp_state.py), None until they run.
     - `recorded_weight`: the version of the weight's values whose amax was last recorded, so a
       weight's amax is recorded once per version of its values (docs/running-state.md).
-    - `root`: a weak reference to the model `quantize_` was given, and `fsdp_group` the FSDP2
-      parameter group found under it that holds this layer (fsdp.py, regathers_before_backward).
     """
 
-    __slots__ = ("amax_group", "mesh_group", "shard_groups", "recorded_weight", "root", "fsdp_group")
+    __slots__ = ("amax_group", "fsdp", "recorded_weight")
 
-    def __init__(self, amax_group=None, root=None):
+    def __init__(self, amax_group=None):
         self.amax_group = amax_group
-        self.mesh_group = self.shard_groups = None
+        self.fsdp = None
         self.recorded_weight = None
-        self.root = root
-        self.fsdp_group = None
 
     def group(self):
-        return self.amax_group if self.amax_group is not None else self.mesh_group
+        """The group that reduces this layer's delayed-scaling amaxes, or None."""
+        if self.amax_group is not None:
+            return self.amax_group
+        return self.fsdp.mesh_group if self.fsdp is not None else None
 
     def __deepcopy__(self, memo):
         # A copied model is a new layer: same reduction group (groups are not copied), nothing recorded.
-        return LayerRunning(self.amax_group)  # the copy finds its own root and FSDP2 group
+        return LayerRunning(self.amax_group)  # FSDP2's hooks tell the copy about its own shard
 
     def __reduce__(self):
         return LayerRunning, ()

@@ -14,7 +14,7 @@ from . import traced_state
 from ..core import running_state
 from ..core.kernels import is_fake
 from .config import LinearQuantizers
-from ..core.numerics import all_reduce_max, ceil_div, pre_reduced_amaxes, reduce_amax_over
+from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
 from ..core.quantizer import fold_to_2d
 from ..core.tensor import QuantizedTensor
 from .weight import GatheredCast, LayerWeight, quantized_weight
@@ -186,7 +186,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
 
     # ---- FSDP2: quantize the local shard, gather its low-precision bytes (fsdp.py) -------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        groups = self._note_fsdp(mesh, module)
+        sharding = self._note_fsdp(mesh, module)
         linear = self.linear_quantizers
         values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
         # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along
@@ -197,8 +197,8 @@ class DynamicWeight(LayerWeight, torch.Tensor):
             padded[: values.shape[0]].copy_(values)
             fsdp.count_gather((padded,), mesh, outer_size)
             return (padded,), (None, outer_size, None)
-        quantized = self._quantized_shard(values, groups, module)
-        needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(linear.running, module))
+        quantized = self._quantized_shard(values, sharding)
+        needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(sharding))
         inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, quantized)
 
@@ -224,11 +224,11 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         cast.notes, cast.version = quantized.shard_notes
         return result
 
-    def _quantized_shard(self, values: torch.Tensor, groups: tuple, module) -> QuantizedTensor:
+    def _quantized_shard(self, values: torch.Tensor, sharding) -> QuantizedTensor:
         """The local shard quantized in both directions, once per version of the weight and of its
         quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
-        process quantizes once), with tensor-wide amaxes reduced over `groups` (every group the
-        parameter's pieces are spread over, `fsdp_state.groups_of_shard`) so that every shard
+        process quantizes once), with tensor-wide amaxes reduced over the groups its pieces are spread
+        over (`sharding.shard_groups`, an `fsdp_state.FsdpLayer`) so that every shard
         shares one scale: reduced before, for every stale dynamic weight of the model in one
         collective (`_batched_amaxes`), or by the cast itself. Its amax notes travel with it, not
         written here."""
@@ -236,11 +236,8 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         key = self._shard_key(values.dtype)
         if self.shard_cast is not None and self.shard_cast.key == key:
             return self.shard_cast.quantized
-        amaxes = _batched_amaxes(self, values, key, groups, module)
-        if amaxes is None:
-            reduction = reduce_amax_over(groups)
-        else:
-            reduction = pre_reduced_amaxes(amaxes, self.linear_quantizers.parameter_name)
+        amaxes = _batched_amaxes(self, values, key, sharding)
+        reduction = sharded_cast(sharding.shard_groups, reduced=amaxes, owner=self.linear_quantizers.parameter_name)
         with running_state.noting() as notes, reduction, torch.autocast(values.device.type, enabled=False):
             cast = quantizer.quantize(values, rowwise=True, columnwise=True)
         quantized = quantized_weight(cast, self.linear_quantizers)
@@ -279,26 +276,26 @@ class DynamicWeight(LayerWeight, torch.Tensor):
 
 
 # ---- FSDP2: the tensor-wide amaxes of every stale shard of a model, reduced in one collective -----
-def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, groups: tuple, module) -> list[torch.Tensor] | None:
+def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, sharding) -> list[torch.Tensor] | None:
     """The tensor-wide amaxes of the cast of `weight`'s shard (`values`, `key`), already reduced over
-    `groups`, or None: the cast reduces its own.
+    the groups its pieces are spread over (`sharding.shard_groups`), or None: the cast reduces its own.
 
     The first stale shard the hooks cast (values written since their last cast, by the optimizer
-    step or a load) reduces, in one all-reduce over each of `groups`, its own local amaxes and those of every
-    other stale dynamic weight shard of its model spread over the same groups, and keeps each shard's
-    reduced amaxes for that shard's cast later in the same forward. FSDP2 calls the hooks in the
-    same order on every rank and which shards are stale is the same on every rank, so every rank
-    issues this collective at the same point. A shard whose values change again before its cast,
-    one that FSDP2's state does not show (a model sharded above the one quantize_ was given, CPU
-    offloading), one whose quantizer does not declare its amaxes, and traced casts (torch.compile)
-    reduce their own amaxes as before."""
+    step or a load) reduces, in one all-reduce over each of the groups, its own local amaxes and
+    those of every other stale dynamic weight shard of its FSDP2 model (`sharding.model_groups`)
+    spread over the same groups, and keeps each shard's reduced amaxes for that shard's cast later in
+    the same forward. FSDP2 calls the hooks in the same order on every rank, lists the model's
+    parameter groups in the same order on every rank, and which shards are stale is the same on
+    every rank, so every rank issues this collective at the same point. A shard whose values change again before its cast, one that
+    FSDP2's state does not show (CPU offloading), one whose quantizer does not declare its amaxes,
+    and traced casts (torch.compile) reduce their own amaxes as before."""
+    groups = sharding.shard_groups
     stored, weight.reduced_amaxes = weight.reduced_amaxes, None
     if stored is not None and stored.matches(key, groups):
         return stored.amaxes
     if torch.compiler.is_compiling() or is_fake(weight._data) or weight._data.is_meta:
         return None
-    running = weight.linear_quantizers.running
-    layer_group = fsdp_state.layer_param_group(running, module)
+    layer_group = sharding.param_group
     if layer_group is None or not any(p.local is weight for p in fsdp_state.sharded_parameters([layer_group])):
         return None
     with torch.autocast(values.device.type, enabled=False):
@@ -306,8 +303,7 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, gro
     if amaxes is None:
         return None
     batch = [(weight, key, amaxes)]  # (shard, the key of its cast, its local amaxes)
-    model = running.root() if running.root is not None else None
-    for parameter in fsdp_state.sharded_parameters(fsdp_state.param_groups(model)) if model is not None else ():
+    for parameter in fsdp_state.sharded_parameters(sharding.model_groups):
         shard = parameter.local
         if shard is weight or not isinstance(shard, DynamicWeight) or not shard._casts_shard() or shard._data.is_meta:
             continue

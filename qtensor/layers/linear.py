@@ -5,6 +5,11 @@
 sends F.linear, matmul and addmm here). The weight is a layer weight: it carries the layer's
 `LinearQuantizers` and hands the GEMMs its operand (`weight.linear_operand`).
 
+How the call's tensors are spread over ranks is asked of one seam (core/placement.py): the weight's
+`LayerPlacement` (tensor parallelism gives it one for each forward) and, for a tensor that arrived
+quantized (a quantized all-gather before or after the layer), that tensor's `Placement`. Nothing
+here names a parallel mode.
+
 Every tensor is quantized once per step with the usages its backward needs; only what the backward
 needs is saved, as plain buffers. Delayed-scaling casts note their amaxes (running_state.py): a
 training forward's notes are written by its backward, with the gradient's; an evaluation forward's
@@ -24,10 +29,9 @@ import torch
 from .. import gemm
 from . import traced_state
 from ..core import running_state
-from ..distributed import sequence_parallel
 from ..core.kernels import is_fake
 from .config import LinearQuantizers
-from ..core.numerics import reduce_amax_over
+from ..core.placement import LOCAL, LayerPlacement, Placement, placement_of
 from ..core.quantizer import INPUT_DTYPES, Quantizer, autocast_dtype, fold_to_2d
 from ..core.storage import _buffer_names
 from ..core.tensor import QuantizedTensor
@@ -110,9 +114,9 @@ class SavedOperand(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     quantizer: Quantizer | None
-    # A gathered activation's columnwise copy is saved as this rank's rows, and gathered by the
-    # backward over this layout (sequence_parallel.py).
-    gather: sequence_parallel.TokenLayout | None = None
+    # The placement that makes the saved storage whole when the backward reads it (a gathered
+    # activation's columnwise copy is saved as this rank's rows); None: it is whole.
+    restore: Placement | None = None
 
 
 def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
@@ -123,27 +127,25 @@ def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
     dequantize it). No wrapper is made or flattened here."""
     if direction is None or not isinstance(tensor, QuantizedTensor):
         return [tensor], None
-    deferred = sequence_parallel.deferred_columnwise(tensor) if direction == "columnwise" and not tensor.has_columnwise else None
-    if deferred is not None:
-        layout, storage = deferred
-        layout.users += 1
-    else:
-        layout, storage = None, tensor.storage_for(direction)
+    if getattr(tensor, direction) is not None:
+        storage, restore = tensor.storage_for(direction), None
+    else:  # a tensor that arrived without it: its placement says what stands for it
+        storage, restore = placement_of(tensor).saved(tensor, direction)
     options = storage.options
     names = _buffer_names(type(storage), storage.direction, tuple(options.values()))
     # `.data`: the buffers' own version counters stay out of autograd's check, as they were when the
     # wrapper was saved (FSDP2 gathers a weight into the same buffers again before the backward).
     tensors = [getattr(storage, name).data for name in names]
     fields = dict(direction=storage.direction, rows=storage.rows, cols=storage.cols, row_slice=storage.row_slice, **options)
-    return tensors, SavedOperand(tensor.data_class, direction, names, type(storage), fields, tensor.shape, tensor.dtype, tensor.quantizer, layout)
+    return tensors, SavedOperand(tensor.data_class, direction, names, type(storage), fields, tensor.shape, tensor.dtype, tensor.quantizer, restore)
 
 
 def _unpack_saved(tensors, saved: SavedOperand | None) -> torch.Tensor | None:
     if saved is None:
         return tensors[0]
     storage = saved.storage_class(**saved.storage_fields, **dict(zip(saved.names, tensors)))
-    if saved.gather is not None:
-        storage = saved.gather.gathered_columnwise(storage)
+    if saved.restore is not None:
+        storage = saved.restore.restored(storage)
     rowwise, columnwise = (storage, None) if saved.direction == "rowwise" else (None, storage)
     return saved.cls(saved.shape, saved.dtype, rowwise, columnwise, saved.quantizer)
 
@@ -152,19 +154,22 @@ class QuantizedLinearFunction(torch.autograd.Function):
     """y = x · Wᵀ + b with each GEMM on the operands the layer's quantizers chose."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear: LinearQuantizers, input_needs_grad: bool, weight_needs_grad: bool, state: dict | None, shards=None):
+    def forward(ctx, x, weight, bias, linear: LinearQuantizers, needs_grad: tuple, state: dict | None, placement: LayerPlacement | None):
+        input_needs_grad, weight_needs_grad = needs_grad
+        placement = placement or LOCAL
         override = linear.backward_override
         quantized_backward = override is None
         training = input_needs_grad or weight_needs_grad
         # forward runs without autograd recording: no detach needed (and none allowed on inference tensors).
         x2d = fold_to_2d(x)
         with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
-            if isinstance(x, QuantizedTensor):  # cast and all-gathered before this layer (sequence_parallel.py)
-                x_q = sequence_parallel.input_operand(linear.input, x, linear, columnwise=weight_needs_grad and quantized_backward)
+            if isinstance(x, QuantizedTensor):  # arrived quantized (a quantized all-gather before this layer)
+                directions = ("rowwise", "columnwise") if weight_needs_grad and quantized_backward else ("rowwise",)
+                x_q = placement_of(x).arrived(linear.input, x, linear, "input", directions=directions)
             else:
-                with _sharded(shards, "input"):
+                with placement.input.casting():
                     x_q = _input_operand(linear.input, x, x2d, columnwise=weight_needs_grad and quantized_backward)
-        with _sharded(shards, "weight"):
+        with placement.weight.casting():
             w_q, weight_notes, version = weight.linear_operand(columnwise=input_needs_grad and quantized_backward, training=training)
         # A weight's amax is recorded once per version of its values, by the first training step
         # that uses them (an evaluation forward's cast, reused by FSDP2, records nothing itself).
@@ -183,29 +188,26 @@ class QuantizedLinearFunction(torch.autograd.Function):
             saved_x, saved_w = (x_q, "rowwise"), (w_q, "rowwise")
         else:  # high_precision: the original operands (a quantized parameter has no other)
             saved_x, saved_w = (x2d, None), (weight.high_precision_matrix() if input_needs_grad else None, None)
-        x_tensors, ctx.x_rebuild = _pack_saved(*saved_x) if weight_needs_grad else ([None], None)
-        w_tensors, ctx.w_rebuild = _pack_saved(*saved_w) if input_needs_grad else ([None], None)
+        x_tensors, x_rebuild = _pack_saved(*saved_x) if weight_needs_grad else ([None], None)
+        w_tensors, w_rebuild = _pack_saved(*saved_w) if input_needs_grad else ([None], None)
         ctx.save_for_backward(*x_tensors, *w_tensors)
-        ctx.linear = linear
+        ctx.rebuild = (x_rebuild, w_rebuild)
+        ctx.linear, ctx.placement, ctx.needs_grad = linear, placement, needs_grad
         # An evaluation or inference forward has no backward: its notes are dropped here.
         ctx.state, ctx.amax_notes = state, (notes if training else [])
-        ctx.shards = shards
-        ctx.needs_grad = (input_needs_grad, weight_needs_grad)
         ctx.input_cast_slot = _input_cast_slot()
-        ctx.x_meta = (x.shape, x.dtype)
-        ctx.weight_dtype = weight.dtype
-        ctx.grad_weight_transposed = weight.stored_transposed
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.grads = GradientLayout(x.shape, x.dtype, weight.dtype, weight.stored_transposed, bias.dtype if bias is not None else None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         ctx.input_cast_slot.last = None  # the forward is over: the last input cast is freed
         saved = ctx.saved_tensors
-        split = len(saved) - len(ctx.w_rebuild.names if ctx.w_rebuild else [None])
-        saved_x, saved_w = _unpack_saved(saved[:split], ctx.x_rebuild), _unpack_saved(saved[split:], ctx.w_rebuild)
+        x_rebuild, w_rebuild = ctx.rebuild
+        split = len(saved) - len(w_rebuild.names if w_rebuild else [None])
+        saved_x, saved_w = _unpack_saved(saved[:split], x_rebuild), _unpack_saved(saved[split:], w_rebuild)
         input_needs_grad, weight_needs_grad = ctx.needs_grad
-        linear = ctx.linear
+        linear, grads = ctx.linear, ctx.grads
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_weight = grad_bias = None
 
@@ -217,50 +219,54 @@ class QuantizedLinearFunction(torch.autograd.Function):
         grad_q = grad_2d
         with linear.using_state(ctx.state) if ctx.state else contextlib.nullcontext():
             with running_state.noting() if linear.records_amaxes else contextlib.nullcontext([]) as notes:
-                if isinstance(grad_2d, QuantizedTensor):  # cast and all-gathered after this layer (sequence_parallel.py)
-                    grad_q = sequence_parallel.gradient_operand(linear.grad_output, grad_2d, linear)
+                if isinstance(grad_2d, QuantizedTensor):  # arrived quantized (a quantized all-gather after this layer)
+                    directions = tuple(d for d, needed in (("rowwise", input_needs_grad), ("columnwise", weight_needs_grad)) if needed)
+                    grad_q = placement_of(grad_2d).arrived(linear.grad_output, grad_2d, linear, "grad_output", directions=directions)
                 elif linear.backward_override is None and (input_needs_grad or weight_needs_grad):
                     # Quantized once, with both usages the two backward GEMMs need.
-                    with _sharded(ctx.shards, "grad_output"):
+                    with ctx.placement.grad_output.casting():
                         grad_q = _quantize(linear.grad_output, grad_2d, rowwise=input_needs_grad, columnwise=weight_needs_grad)
             # The step's amaxes, the forward's and the gradient's, reduced over the data-parallel group.
             running_state.write(ctx.amax_notes + notes, linear.running.group())
 
         if input_needs_grad:
-            x_shape, x_dtype = ctx.x_meta
-            grad_x = gemm.dgrad(grad_q, saved_w, x_dtype).reshape(x_shape)
+            grad_x = gemm.dgrad(grad_q, saved_w, grads.x_dtype).reshape(grads.x_shape)
         if weight_needs_grad:
-            grad_weight = gemm.wgrad(grad_q, saved_x, ctx.weight_dtype)
-            if ctx.grad_weight_transposed:  # the parameter keeps Conv1D's [in, out] layout
+            grad_weight = gemm.wgrad(grad_q, saved_x, grads.weight_dtype)
+            if grads.weight_transposed:  # the parameter keeps Conv1D's [in, out] layout
                 grad_weight = grad_weight.t()
         if ctx.needs_input_grad[2]:
-            grad_bias = grad_2d.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+            grad_bias = grad_2d.float().sum(0).to(grads.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
-def _sharded(shards: dict | None, role: str):
-    """Inside, the casts of `role`'s tensor reduce their tensor-wide amaxes over the process group
-    `shards` names for it: the tensor is one shard of a larger one (tensor parallelism), and every
-    shard must take the scale the whole tensor would."""
-    group = shards.get(role) if shards else None
-    return reduce_amax_over(group) if group is not None else contextlib.nullcontext()
+class GradientLayout(NamedTuple):
+    """The shapes and dtypes the backward gives its gradients: the input's, the weight's (kept as
+    Conv1D's [in, out] where `weight_transposed`) and the bias's (None: no bias)."""
+
+    x_shape: torch.Size
+    x_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    weight_transposed: bool
+    bias_dtype: torch.dtype | None
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with the quantizers the layer weight `weight` carries. A weight that is the local
-    shard of a tensor-parallel layer (tensor_parallel.py) runs that layer's linear."""
-    distributed = weight.__dict__.get("tensor_parallel")
-    if distributed is not None:
-        return distributed.linear(x, weight, bias)
+    """F.linear with the quantizers the layer weight `weight` carries, over the local operands its
+    placement (`weight.placement`, core/placement.py) gives: one process's layer where it has none."""
+    placement = weight.placement
     # Subclass __torch_function__ off from here: the weight's shape, dtype and requires_grad are read
     # as a plain tensor's, without a trip through routing for each.
     with torch._C.DisableTorchFunctionSubclass():
-        return local_linear(x, weight, bias)
+        if placement is None:
+            return _local_linear(x, weight, bias, None)
+        x_local, bias_local = placement.local_operands(x, bias)
+        y = _local_linear(x_local, weight, bias_local, placement)
+        return placement.output(y, x_local, weight, bias)
 
 
-def local_linear(x, weight, bias, shards: dict | None = None):
-    """The quantized linear of plain (local) tensors. `shards` maps a role to the process group over
-    which its tensor is sharded (tensor parallelism): its casts reduce their amaxes over it."""
+def _local_linear(x, weight, bias, placement: LayerPlacement | None):
+    """The quantized linear of plain (local) tensors, placed `placement` (None: one process)."""
     linear = weight.linear_quantizers
     name = linear.name or "a quantized linear layer"
     if x.dim() == 0 or x.shape[-1] != weight.in_features:
@@ -286,6 +292,6 @@ def local_linear(x, weight, bias, shards: dict | None = None):
     state = traced_state.traced_state_of(weight)
     needs = (grad_enabled and x.requires_grad, grad_enabled and weight.requires_grad)
     if not state:
-        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state, shards)
+        return QuantizedLinearFunction.apply(x, weight, bias, linear, needs, state, placement)
     with linear.using_state(state):
-        return QuantizedLinearFunction.apply(x, weight, bias, linear, *needs, state, shards)
+        return QuantizedLinearFunction.apply(x, weight, bias, linear, needs, state, placement)

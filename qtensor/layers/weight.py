@@ -24,6 +24,7 @@ from ..distributed import fsdp, fsdp_state
 from . import traced_state, routing
 from .config import LinearQuantizers
 from ..core.ops import byte_compatible, copy_storages
+from ..core.placement import LayerPlacement
 from ..core.plan import TENSOR_CLASSES
 from ..core.tensor import QuantizedTensor
 
@@ -41,6 +42,9 @@ class LayerWeight:
     linear_quantizers: LinearQuantizers
     # Traced by torch.compile: the layer state this weight was rebuilt with (traced_state.py).
     bound_state: dict | None = None
+    # How this call of the layer is spread over ranks (core/placement.py); None: one process. Tensor
+    # parallelism places the local shard it hands the layer for the length of one forward.
+    placement: LayerPlacement | None = None
     stored_transposed = False  # a dynamic Conv1D weight keeps [in_features, out_features]
     quantized_at_use = False  # quantized by each linear call (a dynamic weight) or already quantized
 
@@ -61,12 +65,9 @@ class LayerWeight:
     def _data_attribute(self, name):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    def _note_fsdp(self, mesh, module) -> tuple:
-        """What FSDP2's mesh tells the layer: its group reduces the layer's amaxes (unless the user
-        chose a group). Returns the groups this shard is spread over (`fsdp_state.groups_of_shard`)."""
-        running = self.linear_quantizers.running
-        running.mesh_group = mesh.get_group()
-        return fsdp_state.groups_of_shard(self, mesh, running, module)
+    def _note_fsdp(self, mesh, module):
+        """What FSDP2's hook tells the layer about how this shard is placed (`fsdp_state.FsdpLayer`)."""
+        return fsdp_state.layer_sharding(self.linear_quantizers.running, self, mesh, module)
 
 
 # ---- quantized weights: a format's tensor class with the layer weight's behaviour -------------------
@@ -155,9 +156,10 @@ class QuantizedWeight(LayerWeight):
 
     # ---- FSDP2: gather the direction each GEMM reads, as low-precision bytes (fsdp.py) ------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        fsdp.agree_on_scales(self, self._note_fsdp(mesh, module))
+        sharding = self._note_fsdp(mesh, module)
+        fsdp.agree_on_scales(self, sharding.shard_groups)
         linear = self.linear_quantizers
-        needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(linear.running, module))
+        needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(sharding))
         inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, self)
 

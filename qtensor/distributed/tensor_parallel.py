@@ -5,7 +5,9 @@ whose local tensor is the layer weight's shard (a `DynamicWeight`, or a quantize
 its rows or columns). A DTensor computes F.linear by dispatching its pieces (a transpose and an
 addmm) to the local tensors, below autograd, where the backward's GEMMs would never meet the
 quantizers. So for the length of each forward the module's weight attribute is the shard itself
-(`enter`, `leave`), carrying a `TensorParallelShard` that runs the layer's linear on local tensors:
+(`enter`, `leave`), placed by a `TensorParallelShard`: the layer's `LayerPlacement`
+(core/placement.py), which gives the quantized linear its local operands and the placement of each
+of its tensors, and makes the layer's output from the local one:
 
 - column-parallel (weight `Shard(0)`): the replicated input times the local rows of the weight; the
   output is sharded along its last dimension, and the input's gradient is a partial sum;
@@ -29,9 +31,8 @@ import math
 
 import torch
 
-from .config import LinearQuantizers
-from .linear import local_linear
-from ..distributed.sequence_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel, check_token_runs, scatter_tokens  # noqa: F401 (styles)
+from ..core.placement import LayerPlacement, Placement
+from .sequence_parallel import PrepareQuantizedModuleInput, QuantizedRowwiseParallel, check_token_runs, scatter_tokens  # noqa: F401 (styles)
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -43,11 +44,12 @@ def is_distributed(weight) -> bool:
     return DTensor is not None and isinstance(weight, DTensor)
 
 
-class TensorParallelShard:
-    """How a tensor-parallel layer's weight is placed, for the length of one forward: the DTensor
-    parameter (its mesh and placement) and the layer's quantizers."""
+class TensorParallelShard(LayerPlacement):
+    """How a tensor-parallel layer's call is placed, for the length of one forward: from the DTensor
+    parameter (its mesh and placement) and the layer's quantizers (`LinearQuantizers`). A tensor
+    split across the group (`Placement(group)`) is cast with its tensor-wide amaxes reduced over it."""
 
-    def __init__(self, parameter, linear: LinearQuantizers, owner: str, scatter_tokens=None):
+    def __init__(self, parameter, linear, owner: str, scatter_tokens=None):
         self.parameter, self.linear_quantizers = parameter, linear
         # QuantizedRowwiseParallel's output placement Shard(d): the output gradient is gathered quantized.
         self.scatter_tokens = scatter_tokens
@@ -59,8 +61,8 @@ class TensorParallelShard:
                 "mesh dimension (FSDP2 gathers the others before the forward)."
             )
         (self.placement,) = parameter.placements
-        running = linear.running
-        if running.mesh_group is not None and not any(g == self.mesh.get_group() for g in running.shard_groups or ()):
+        fsdp = linear.running.fsdp
+        if fsdp is not None and not any(g == self.mesh.get_group() for g in fsdp.shard_groups):
             # FSDP2 gathered this weight over another mesh dimension, and its hooks could not tell that
             # tensor parallelism splits it too: its casts would take the amaxes of this rank's piece only.
             raise NotImplementedError(
@@ -85,13 +87,37 @@ class TensorParallelShard:
                 "for tensor parallelism; a quantized layer's weight is Shard(0) (ColwiseParallel), Shard(1) "
                 "(RowwiseParallel) or Replicate()."
             )
+        split = Placement(self.mesh.get_group())
+        if self.kind == "column":  # the weight's rows, and so the output's (and its gradient's) columns
+            self.weight = self.grad_output = split
+        elif self.kind == "row":  # the weight's columns, and so the input's
+            self.input = self.weight = split
 
-    def linear(self, x, weight: torch.Tensor, bias):
-        """F.linear(x, weight, bias) of this layer: `weight` is the local shard, `x` and `bias` as the
-        style hands them (DTensors)."""
+    def local_operands(self, x, bias):
+        """`x` and `bias` as the style hands them (DTensors), as this rank's GEMMs read them."""
         self._check_block_edges()
-        with torch._C.DisableTorchFunctionSubclass():
-            return getattr(self, f"_{self.kind}_parallel")(x, weight, bias)
+        if self.kind == "row":  # the replicated bias is added once, to the reduced output
+            return self._input(x, Shard(x.dim() - 1)), None
+        bias_local = bias.to_local() if is_distributed(bias) else bias
+        if self.kind == "column":
+            return self._input(x, Replicate(), grad=Partial()), bias_local
+        return self._input(x, Replicate()), bias_local
+
+    def output(self, y, x, weight, bias):
+        """The layer's output (a DTensor) from this rank's `y`."""
+        if self.kind == "column":
+            return DTensor.from_local(y, self.mesh, (Shard(y.dim() - 1),), run_check=False)
+        if self.kind == "replicated":
+            return DTensor.from_local(y, self.mesh, (Replicate(),), run_check=False)
+        dim = self.scatter_tokens.dim % y.dim() if self.scatter_tokens is not None else y.dim() - 1
+        if dim < y.dim() - 1:  # sequence parallelism: the backward gathers the gradient quantized
+            directions = self._gradient_directions(x, weight, y, dim)
+            out = DTensor.from_local(scatter_tokens(y, self.linear_quantizers, self.mesh, dim, directions), self.mesh, (Shard(dim),), run_check=False)
+        else:
+            out = DTensor.from_local(y, self.mesh, (Partial(),), run_check=False)
+        # In the output's dtype, as F.linear adds it under autocast (a float32 bias would promote a
+        # bf16 output, and double what the style's reduction sends).
+        return out if bias is None else out + bias.to(y.dtype)
 
     def _check_block_edges(self) -> None:
         """Every tensor split across the group must be split on its format's block edges: a shard
@@ -129,28 +155,6 @@ class TensorParallelShard:
                     "ranks, or keep this layer out of quantize_ (filter_fn) or of parallelize_module."
                 )
 
-    def _group(self):
-        return self.mesh.get_group()
-
-    def _column_parallel(self, x, weight, bias):
-        x_local = self._input(x, Replicate(), grad=Partial())
-        bias_local = bias.to_local() if is_distributed(bias) else bias
-        y = local_linear(x_local, weight, bias_local, shards={"weight": self._group(), "grad_output": self._group()})
-        return DTensor.from_local(y, self.mesh, (Shard(y.dim() - 1),), run_check=False)
-
-    def _row_parallel(self, x, weight, bias):
-        x_local = self._input(x, Shard(x.dim() - 1))
-        y = local_linear(x_local, weight, None, shards={"input": self._group(), "weight": self._group()})
-        dim = self.scatter_tokens.dim % y.dim() if self.scatter_tokens is not None else y.dim() - 1
-        if dim < y.dim() - 1:  # sequence parallelism: the backward gathers the gradient quantized
-            directions = self._gradient_directions(x_local, weight, y, dim)
-            out = DTensor.from_local(scatter_tokens(y, self.linear_quantizers, self.mesh, dim, directions), self.mesh, (Shard(dim),), run_check=False)
-        else:
-            out = DTensor.from_local(y, self.mesh, (Partial(),), run_check=False)
-        # In the output's dtype, as F.linear adds it under autocast (a float32 bias would promote a
-        # bf16 output, and double what the style's reduction sends).
-        return out if bias is None else out + bias.to(y.dtype)
-
     def _gradient_directions(self, x_local, weight, y, dim) -> tuple:
         """The copies of the output gradient this layer's backward reads, gathered in its dtype
         (and cast by the layer) where it keeps its gradient in high precision."""
@@ -174,11 +178,6 @@ class TensorParallelShard:
         check_token_runs(quantizer, math.prod(y.shape[dim:-1]) // world, world, name, "output gradient", "QuantizedRowwiseParallel", "RowwiseParallel")
         return tuple(d for d, needed in (("rowwise", x_local.requires_grad), ("columnwise", weight.requires_grad)) if needed)
 
-    def _replicated_parallel(self, x, weight, bias):
-        x_local = self._input(x, Replicate())
-        bias_local = bias.to_local() if is_distributed(bias) else bias
-        return DTensor.from_local(local_linear(x_local, weight, bias_local), self.mesh, (Replicate(),), run_check=False)
-
     def _input(self, x, placement, grad=None):
         name = self.linear_quantizers.name or "<root>"
         if not is_distributed(x):
@@ -197,7 +196,7 @@ class TensorParallelShard:
 def enter(module: torch.nn.Module, args) -> None:
     """Forward pre-hook of every quantized module: a weight that is a DTensor at forward time was
     placed by tensor parallelism (FSDP2 gathers its own dimension before this hook). For this forward
-    the weight attribute is the local shard, carrying its `TensorParallelShard`; its gradient flows
+    the weight attribute is the local shard, placed by its `TensorParallelShard`; its gradient flows
     back to the DTensor parameter."""
     for attribute, (linear, _) in module.__dict__.get("_qtensor_layers", {}).items():
         parameter = module._parameters.get(attribute)
@@ -209,9 +208,8 @@ def enter(module: torch.nn.Module, args) -> None:
                 "supported; run the tensor-parallel model eagerly, or compile the blocks of a model that is not "
                 "tensor-parallel."
             )
-        placement = TensorParallelShard(parameter, linear, type(module).__name__, module.__dict__.get("_qtensor_scatter_tokens"))
         local = parameter.to_local()
-        local.tensor_parallel = placement
+        local.placement = TensorParallelShard(parameter, linear, type(module).__name__, module.__dict__.get("_qtensor_scatter_tokens"))
         module.__dict__[attribute] = local  # found before the parameter by attribute lookup
 
 
