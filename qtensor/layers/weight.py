@@ -45,6 +45,7 @@ class LayerWeight:
     # How this call of the layer is spread over ranks (core/placement.py); None: one process. Tensor
     # parallelism places the local shard it hands the layer for the length of one forward.
     placement: LayerPlacement | None = None
+    is_layer_weight = True  # read by the tensor types (core/tensor.py), which know nothing of layers
     stored_transposed = False  # a dynamic Conv1D weight keeps [in_features, out_features]
     quantized_at_use = False  # quantized by each linear call (a dynamic weight) or already quantized
 
