@@ -110,7 +110,7 @@ COMPILED_CASES = [
     ("float8_current", "dynamic"), ("mxfp8", "quantized"), ("nvfp4", "dynamic"), ("hybrid", "dynamic"),
     ("float8_delayed", "dynamic"), ("float8_delayed", "quantized"),
 ]
-COMPILE_BACKEND = "inductor" if os.environ.get("QTENSOR_TEST_DEVICE", "cpu") == "cuda" else "aot_eager"
+COMPILE_BACKEND = os.environ.get("FSDP_COMPILE_BACKEND") or ("inductor" if os.environ.get("QTENSOR_TEST_DEVICE", "cpu") == "cuda" else "aot_eager")
 
 
 def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
@@ -293,6 +293,7 @@ def run_distributed(out_path: str) -> None:
     results = {}
     count_all_gather_bytes()
     only = os.environ.get("FSDP_CASES_ONLY")  # "recipe,weights,reshard" while debugging one scenario
+    skip = os.environ.get("FSDP_CASES_SKIP", "").split()  # scenario kinds left out (e.g. "compiled") while debugging
     for recipe, weights, reshard in SCENARIOS:
         if only and only != f"{recipe},{weights},{reshard}":
             continue
@@ -395,7 +396,7 @@ def run_distributed(out_path: str) -> None:
         results[("meta", recipe, weights)] = result
     # torchtitan's order with torch.compile: quantize_, compile each block, fully_shard.
     for recipe, weights in COMPILED_CASES:
-        if only and only != "compiled":
+        if only and only != "compiled" or "compiled" in skip:
             break
         torch._dynamo.reset()
         model = build(recipe, weights)

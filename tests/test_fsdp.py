@@ -310,3 +310,22 @@ def test_amaxes_are_batched_under_a_mixed_precision_policy_and_with_compiled_blo
     compiled = distributed[("amax_reductions", "float8_current", "compiled")]
     assert compiled["reductions"] == [[fsdp_cases.QUANTIZED_LAYERS]] * fsdp_cases.STEPS
     _assert_trains_exactly_like(compiled, fsdp_cases.train_counting_amax_reductions(fsdp_cases.build("float8_current", "dynamic")))
+
+
+@pytest.mark.parametrize("name", ["_unsharded_dtensor_spec", "_tp_spec"])
+def test_the_groups_of_a_tensor_parallel_shard_are_read_under_either_torch_name(name):
+    """FSDP2 keeps a parameter's DTensor spec from before `fully_shard` as `_unsharded_dtensor_spec`
+    (torch 2.13) or `_tp_spec` (torch 2.11): under either, a shard on a 2-D mesh reduces its amaxes
+    over the tensor-parallel dimension too (without it a tensor-parallel layer refuses to run)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from qtensor.distributed.fsdp_state import shard_groups
+
+    mesh = SimpleNamespace(get_group=lambda dim=None: f"group {dim}")
+    spec = SimpleNamespace(mesh=mesh, placements=(Replicate(), Shard(0)))
+    fsdp_param = SimpleNamespace(shard_mesh_from_root=SimpleNamespace(get_group=lambda: "fsdp group"), **{name: spec})
+    assert shard_groups(fsdp_param) == ("fsdp group", "group 1")
+    plain = SimpleNamespace(shard_mesh_from_root=SimpleNamespace(get_group=lambda: "fsdp group"))
+    assert shard_groups(plain) == ("fsdp group",)

@@ -92,7 +92,7 @@ class QuantizedTensor(torch.Tensor):
             # safetensors (and with it save_pretrained) asks for this after untyped_storage() of a
             # wrapper failed; torch itself no longer does. Say what to use instead.
             raise TypeError(_NO_SINGLE_STORAGE.format(cls=type(args[0]).__name__))
-        if any(getattr(type(a), "is_layer_weight", False) and not isinstance(a, cls) for a in (*args, *kwargs.values())):
+        if len(types) > 1 and any(getattr(t, "is_layer_weight", False) and not issubclass(cls, t) and not issubclass(t, cls) for t in types):
             # A quantized layer's weight decides (F.linear of a quantized input runs the layer's
             # linear, which multiplies the input as it arrived): torch asks the weight's type next.
             return NotImplemented

@@ -8,9 +8,9 @@ its public API gives. Three things qtensor needs are only in its private state:
   as "no re-gather", so the forward gather brings what the backward reads too (correct, more bytes;
   pinned by tests/test_fsdp.py);
 - which process groups one parameter's pieces are spread over (FSDP2's mesh plus a tensor-parallel
-  mesh dimension on a 2-D mesh: `shard_mesh_from_root`, `_unsharded_dtensor_spec`, matched to the
-  hook's tensor by `_sharded_local_tensor`). Fallback: FSDP2's mesh alone (a tensor-parallel layer
-  then refuses to run, naming itself);
+  mesh dimension on a 2-D mesh: `shard_mesh_from_root`, `_unsharded_dtensor_spec` (torch 2.11:
+  `_tp_spec`), matched to the hook's tensor by `_sharded_local_tensor`). Fallback: FSDP2's mesh
+  alone (a tensor-parallel layer then refuses to run, naming itself);
 - FSDP2's states (torch's table of composable-API states, `_composable_state._module_state_mapping`;
   a model's states, `_state_ctx.all_states`) and in them every parameter group
   (`_fsdp_param_group(s)`, `fsdp_params`): to find the group that holds a layer's weight (for the two
@@ -133,7 +133,9 @@ def shard_groups(fsdp_param) -> tuple:
     each mesh dimension along which its DTensor was sharded before `fully_shard` (tensor parallelism
     on a 2-D mesh). A tensor-wide amax max-ed over all of them is the whole parameter's."""
     groups = (fsdp_param.shard_mesh_from_root.get_group(),)
-    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    # The DTensor spec of the parameter before fully_shard: `_unsharded_dtensor_spec` in torch 2.13,
+    # `_tp_spec` in torch 2.11 (absent where the parameter was no DTensor).
+    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None) or getattr(fsdp_param, "_tp_spec", None)
     return groups + (placement_groups(spec.mesh, spec.placements) if spec is not None else ())
 
 
