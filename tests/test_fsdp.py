@@ -264,8 +264,15 @@ def test_attention_in_proj_and_conv1d_layers_train_sharded_like_one_process(dist
 
 
 def _assert_trains_exactly_like(result, single):
-    assert result["losses"] == single["losses"]
+    """Bit for bit on the CPU. On GPUs the weight gradient of the sharded run is the sum of each
+    rank's fp32 GEMM over its tokens, whose rounding differs from one GEMM over all of them: there the
+    losses and the trained model's logits agree to the tolerance of the other sharded-training tests."""
     assert result["weights"].keys() == single["weights"].keys() and result["weights"]
+    if fsdp_cases.DEVICE == "cuda":
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(result["logits"], single["logits"], rtol=1e-6, atol=1e-7)
+        return
+    assert result["losses"] == single["losses"]
     for name, weight in single["weights"].items():
         assert torch.equal(result["weights"][name], weight), name
     assert torch.equal(result["logits"], single["logits"])
