@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..core.kernels import lookup
+from ..core.kernels import is_fake, lookup
 from ..core.tensor import QuantizedTensor
 
 
@@ -118,14 +118,36 @@ def _float8_block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: t
             use_fast_accum=fast_accumulation,
         )
     elif a.block_cols == b.block_cols == 128 and (a.block_rows, b.block_rows) != (128, 128) and a.data.shape[1] % 128 == 0:
-        F = torch.nn.functional
-        product = F.scaled_mm(
-            a.data, b.data.t(), _hopper_block_scales(a), _BLOCK_SCALING[a.block_rows](), _hopper_block_scales(b),
-            _BLOCK_SCALING[b.block_rows](), output_dtype=product_dtype, use_fast_accum=fast_accumulation,
-        )
+        # Traced by torch.compile (or run on fake tensors for it), through a custom op: torch 2.11's fake implementation of the
+        # block-scaled GEMM rejects the scales' shapes it is given (its expected shape divides K by
+        # 128 in floating point), and the real GEMM needs no tracing into.
+        gemm = hopper_block_scaled_mm if torch.compiler.is_compiling() or is_fake(a.data) else _hopper_block_scaled_mm
+        product = gemm(a.data, a.scale_inv, a.block_rows, b.data, b.scale_inv, b.block_rows, product_dtype, fast_accumulation)
     else:
         return None
     return _finish(product, bias, out_dtype) if bias is not None else product
+
+
+def _hopper_block_scaled_mm(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, a_block_rows: int, b: torch.Tensor, b_scale_inv: torch.Tensor, b_block_rows: int,
+    out_dtype: torch.dtype, fast_accumulation: bool,
+) -> torch.Tensor:
+    """A · Bᵀ of two [rows, K] FP8 code tensors on Hopper's FP8 tensor cores, each with its stored
+    block scales (`scale_inv`): 1x128 (`block_rows` 1) or 128x128 (128) blocks along K, put into the
+    layouts cuBLAS reads here (`_hopper_block_scales`)."""
+    return torch.nn.functional.scaled_mm(
+        a.contiguous(), b.contiguous().t(), _hopper_block_scales(a_scale_inv, a_block_rows), _BLOCK_SCALING[a_block_rows](),
+        _hopper_block_scales(b_scale_inv, b_block_rows), _BLOCK_SCALING[b_block_rows](),
+        output_dtype=out_dtype, use_fast_accum=fast_accumulation,
+    )
+
+
+hopper_block_scaled_mm = torch.library.custom_op("qtensor::hopper_block_scaled_mm", mutates_args=())(_hopper_block_scaled_mm)
+
+
+@hopper_block_scaled_mm.register_fake
+def _(a, a_scale_inv, a_block_rows, b, b_scale_inv, b_block_rows, out_dtype, fast_accumulation):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def _hopper_block_scaling(device: torch.device) -> bool:
@@ -146,12 +168,11 @@ _BLOCK_SCALING = {
 }
 
 
-def _hopper_block_scales(operand) -> torch.Tensor:
+def _hopper_block_scales(scales: torch.Tensor, block_rows: int) -> torch.Tensor:
     """An operand's block scales in the layout cuBLAS reads on Hopper: 1x128 scales [R, K/128] with
     the rows contiguous (column-major); 128x128 scales with K/128 padded to a multiple of 4 (zeros)
     and given as the transposed view [L4, R/128] of the row-major [R/128, L4]."""
-    scales = operand.scale_inv
-    if operand.block_rows == 1:
+    if block_rows == 1:
         return scales.t().contiguous().t()
     padding = -scales.shape[1] % 4
     if padding:
