@@ -1,0 +1,172 @@
+"""Training speed and memory under FSDP2: bf16, torchao's Float8 and every qtensor recipe, eager and compiled.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py [--blocks 4] [--tokens 8192] [--steps 10]
+        [--systems bf16,bf16 compiled,float8_current,float8_current compiled,...]
+
+The configuration people train large models with: Llama-3-8B-shaped blocks (width 4096, GQA 32/8
+heads, SwiGLU 14336, stock modules), `tokens` tokens per rank a step, fp32 parameters,
+`fully_shard` on each block and on the root with `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`, fused AdamW, a full forward, backward and optimizer step each step.
+"compiled": `torch.compile` of each block before `fully_shard`, as torchtitan does. torchao
+(where importable): Float8 tensorwise with the float8 all-gather and
+`precompute_float8_dynamic_scale_for_fsdp` after each step, and rowwise.
+
+Rank 0 prints one row per system: tokens/s over all ranks (median step), × bf16 eager, × torchao
+tensorwise compiled (when it ran), peak GiB (the largest over ranks), and for qtensor the bytes its
+weights handed to all-gathers per step on this rank beside what bf16 would have sent. On the CPU
+(gloo) it runs too, with `--width` and `--hidden` small, to check the script; its figures there mean
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_linear import Block, torchao_float8  # noqa: E402
+
+import qtensor  # noqa: E402
+from qtensor.distributed import fsdp as qtensor_fsdp  # noqa: E402
+
+QTENSOR_RECIPES = ["float8_current", "float8_rowwise", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+
+
+def default_systems() -> list[str]:
+    systems = ["bf16", "bf16 compiled"]
+    if torchao_float8() is not None:
+        systems += ["torchao tensorwise", "torchao tensorwise compiled", "torchao rowwise compiled"]
+    for recipe in QTENSOR_RECIPES:
+        systems += [recipe, f"{recipe} compiled"]
+    return systems
+
+
+def build(system: str, args, device: torch.device, mesh):
+    """(model, after-step hook) of one system, sharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    name = system.removesuffix(" compiled")
+    torch.manual_seed(0)
+    with device:
+        model = nn.Sequential(*[Block(args.width, args.hidden) for _ in range(args.blocks)])
+    after_step = None
+    if name.startswith("torchao "):
+        config_class, convert = torchao_float8()
+        recipe = name.removeprefix("torchao ")
+        config = config_class.from_recipe_name(recipe)
+        if recipe == "tensorwise":
+            config = config_class(enable_fsdp_float8_all_gather=True)
+        convert(model, config=config)
+        if recipe == "tensorwise":
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            def after_step():
+                precompute_float8_dynamic_scale_for_fsdp(model)
+    elif name != "bf16":
+        qtensor.quantize_(model, getattr(qtensor.recipes, name)())
+    if system.endswith(" compiled"):
+        for block in model:
+            block.compile()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model, after_step
+
+
+def measure(system: str, args, device: torch.device, mesh) -> dict:
+    model, after_step = build(system, args, device, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    x = torch.randn(1, args.tokens, args.width, device=device)
+
+    def step():
+        loss = model(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    for _ in range(args.warmup):
+        step()
+    synchronize()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    qtensor_fsdp.gather_stats(reset=True)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    gathered = qtensor_fsdp.gather_stats()
+    peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "tokens_per_s": args.tokens * dist.get_world_size() / statistics.median(times),
+        "peak_gib": float(peak),
+        "gathered_mib": gathered["bytes"] / args.steps / 2**20,
+        "bf16_mib": gathered["bf16_bytes"] / args.steps / 2**20,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=None, help="comma-separated (default: every system importable here)")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank a step")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=14336)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error("run under torchrun: torchrun --nproc-per-node N benchmarks/bench_fsdp.py")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    systems = args.systems.split(",") if args.systems else default_systems()
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        what = torch.cuda.get_device_name() if cuda else "CPU (gloo): a check of the script, not a measurement"
+        print(f"FSDP2 over {dist.get_world_size()} ranks, {what}, torch {torch.__version__}")
+        print(f"{args.blocks} blocks (width {args.width}, hidden {args.hidden}), {args.tokens} tokens per rank, "
+              f"bf16 params / fp32 reduce, fused AdamW, median of {args.steps} steps")
+        print(f"{'system':<34}{'tokens/s':>11}{'x bf16':>8}{'x torchao':>11}{'peak GiB':>10}{'gathered MiB/step':>19}{'bf16 MiB':>10}")
+    results = {}
+    for system in systems:
+        results[system] = result = measure(system, args, device, mesh)
+        if not rank0:
+            continue
+        base = results.get("bf16", {}).get("tokens_per_s")
+        anchor = results.get("torchao tensorwise compiled", {}).get("tokens_per_s")
+        ratio = f"{result['tokens_per_s'] / base:.2f}" if base else "-"
+        versus = f"{result['tokens_per_s'] / anchor:.2f}" if anchor else "-"
+        gathered = f"{result['gathered_mib']:.1f}" if result["gathered_mib"] else "-"
+        bf16 = f"{result['bf16_mib']:.1f}" if result["bf16_mib"] else "-"
+        print(f"{system:<34}{result['tokens_per_s']:>11.0f}{ratio:>8}{versus:>11}{result['peak_gib']:>10.1f}{gathered:>19}{bf16:>10}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
