@@ -7,7 +7,7 @@ The configuration people train large models with: Llama-3-8B-shaped blocks (widt
 heads, SwiGLU 14336, stock modules), `tokens` tokens per rank a step, fp32 parameters,
 `fully_shard` on each block and on the root with `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`, fused AdamW, a full forward, backward and optimizer step each step.
-"compiled": `torch.compile` of each block before `fully_shard`, as torchtitan does. torchao
+"compiled": each block wrapped by `torch.compile` before `fully_shard`, as torchtitan does. torchao
 (where importable): Float8 tensorwise with the float8 all-gather and
 `precompute_float8_dynamic_scale_for_fsdp` after each step, and rowwise.
 
@@ -72,8 +72,11 @@ def build(system: str, args, device: torch.device, mesh):
     elif name != "bf16":
         qtensor.quantize_(model, getattr(qtensor.recipes, name)())
     if system.endswith(" compiled"):
-        for block in model:
-            block.compile()
+        # As torchtitan: each block wrapped in its compiled module, then sharded. (`block.compile()`
+        # would compile the block's call with FSDP2's hooks in it, which dynamo skips, breaking the
+        # graph before every linear layer.)
+        for index, block in enumerate(model):
+            model[index] = torch.compile(block, backend=args.backend)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model:
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -134,6 +137,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=14336)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled systems")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("run under torchrun: torchrun --nproc-per-node N benchmarks/bench_fsdp.py")
