@@ -309,7 +309,7 @@ def run_distributed(out_path: str) -> None:
     # the forward gather also brings what the backward reads: correct, more bytes.
     if not only or only == "unknown_regather":
         found = qtensor.distributed.fsdp_state._param_group_of
-        qtensor.distributed.fsdp_state._param_group_of = lambda module: None
+        qtensor.distributed.fsdp_state._param_group_of = lambda module: (None, ())
         try:
             model = build("mxfp8", "dynamic")
             GATHER_LOG.clear()

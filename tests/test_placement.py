@@ -123,3 +123,21 @@ def test_the_linear_names_no_parallel_mode():
         node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
     }
     assert not names & {"sequence_parallel", "tensor_parallel", "fsdp", "DTensor", "shards"}, names
+
+
+def test_a_gathered_activation_is_refused_naming_the_style_and_what_to_use_instead():
+    """Sequence parallelism's placement keeps the checks of every quantized arrival and names
+    PrepareQuantizedModuleInput and its alternative in each refusal."""
+    from qtensor.distributed.sequence_parallel import GatheredTokens
+
+    layer, x, _ = layer_and_data()
+    linear = layer.weight.linear_quantizers
+    gathered = GatheredTokens(layout=None, local_columnwise=None)
+    other = Float8Quantizer(torch.float8_e5m2).quantize(x.detach(), columnwise=False)
+    with pytest.raises(ValueError, match=r"arrived quantized by PrepareQuantizedModuleInput with .*e5m2.*PrepareModuleInput"):
+        gathered.arrived(linear.input, other, linear, "input", directions=("rowwise",))
+    mine = linear.input.quantize(x.detach(), columnwise=False)
+    with pytest.raises(ValueError, match="made for no gradient"):
+        gathered.arrived(linear.input, mine, linear, "input", directions=("rowwise", "columnwise"))
+    operand = gathered.arrived(linear.input, mine, linear, "input", directions=("rowwise",))
+    assert operand.shape == (64, 64) and operand.columnwise is None and operand.rowwise is mine.rowwise

@@ -41,6 +41,11 @@ class Placement:
     """Where one tensor of a quantized linear lives over ranks. This class: whole on every rank, or
     `groups` given, one piece of a tensor whose other pieces the ranks of `groups` hold."""
 
+    # For the refusals of `arrived`: what made a tensor that arrived quantized, and what to use
+    # instead of the quantized arrival (a mode's placement names its own).
+    made_by = ""
+    instead = "Give every layer that reads it the quantizer that cast it, or hand it the tensor unquantized."
+
     def __init__(self, groups: tuple = ()):
         self.groups = groups if isinstance(groups, tuple) else (groups,)
 
@@ -52,17 +57,16 @@ class Placement:
         """The 2-D operand for `tensor`, which arrived already quantized, as layer `layer` (its
         `LinearQuantizers`) reads it in role `role` ("input" or "grad_output") in `directions`: it
         must be what the layer's own quantizer makes, in every direction the layer reads."""
-        name = layer.name or "<root>"
+        name, what = layer.name or "<root>", role.replace("_", " ")
         if quantizer is None or quantizer != tensor.quantizer:
             raise ValueError(
-                f"layer {name!r}: its {role.replace('_', ' ')} arrived quantized with {tensor.quantizer.describe()}, "
-                f"but the layer's {role} quantizer is {'none' if quantizer is None else quantizer.describe()}; "
-                "give every layer that reads it the quantizer that cast it."
+                f"layer {name!r}: its {what} arrived quantized{self.made_by} with {tensor.quantizer.describe()}, but "
+                f"the layer's {role} quantizer is {'none' if quantizer is None else quantizer.describe()}. {self.instead}"
             )
         if role == "input" and layer.backward_override == "high_precision":
             raise ValueError(
                 f"layer {name!r}: backward_override='high_precision' computes its gradients from the high-precision "
-                "input, and its input arrived quantized, without one."
+                f"input, and its input arrived quantized{self.made_by}, without one. {self.instead}"
             )
         missing = [d for d in directions if getattr(tensor, d) is None]
         if missing:

@@ -14,8 +14,9 @@ its public API gives. Three things qtensor needs are only in its private state:
 - FSDP2's states (torch's table of composable-API states, `_composable_state._module_state_mapping`;
   a model's states, `_state_ctx.all_states`) and in them every parameter group
   (`_fsdp_param_group(s)`, `fsdp_params`): to find the group that holds a layer's weight (for the two
-  reads above), and to reduce every stale dynamic weight shard's amaxes of a model in one collective. Fallback: each cast reduces its own amaxes (the same values, one collective
-  each), and the two reads above take theirs.
+  reads above), and to reduce the amaxes of a model's stale dynamic weight shards in one collective.
+  Fallback: each cast reduces its own amaxes (the same values, one collective each), and the two
+  reads above take theirs.
 
 Each read is written to fail with AttributeError or AssertionError on a torch whose state looks
 different, and each caller takes the fallback then.
@@ -55,10 +56,10 @@ def layer_sharding(running, local: torch.Tensor, mesh, module) -> FsdpLayer:
     group = mesh.get_group()
     known = running.fsdp
     if known is None or known.mesh_group is not group:
-        param_group = _param_group_of(module)
+        param_group, model_groups = _param_group_of(module)
         params = [p for p in (param_group.fsdp_params if param_group is not None else ()) if p._sharded_local_tensor is local]
         groups = shard_groups(params[0]) if params else (group,)
-        known = running.fsdp = FsdpLayer(group, groups, param_group, _model_groups(param_group))
+        known = running.fsdp = FsdpLayer(group, groups, param_group, model_groups)
     return known
 
 
@@ -85,36 +86,30 @@ def _fsdp_states():
     seen = set()
     for reference in references:
         state = reference()
-        if state is not None and hasattr(state, "_fsdp_param_group") and id(state) not in seen:
+        # `_fsdp_param_groups` first: the singular is a property that raises with several groups (torch 2.13).
+        fsdp = state is not None and (hasattr(state, "_fsdp_param_groups") or hasattr(state, "_fsdp_param_group"))
+        if fsdp and id(state) not in seen:
             seen.add(id(state))
             yield state
 
 
-def _param_group_of(module):
-    """The FSDP2 parameter group that holds `module`'s parameters, or None."""
-    for group in param_groups(_fsdp_states()):
-        try:
-            owners = [param._module_info.module for param in group.fsdp_params]
-        except AttributeError:
-            continue
-        if any(owner is module for owner in owners):
-            return group
-    return None
-
-
-def _model_groups(param_group) -> tuple:
-    """Every parameter group of the FSDP2 model `param_group` belongs to: the states its root's lazy
-    initialisation lists (`_state_ctx.all_states`, in the order of the root's modules, the same on
-    every rank), which every state of the tree shares. () where that cannot be read."""
-    if param_group is None:
-        return ()
+def _param_group_of(module) -> tuple:
+    """(the FSDP2 parameter group that holds `module`'s parameters, every parameter group of its
+    model), or (None, ()). A model's groups are those of the states its root's lazy initialisation
+    lists (`_state_ctx.all_states`, in the order of the root's modules, the same on every rank),
+    which every state of the tree shares."""
     for state in _fsdp_states():
-        try:
-            if any(group is param_group for group in param_groups([state])):
-                return tuple(param_groups(state._state_ctx.all_states))
-        except AttributeError:
-            return ()
-    return ()
+        for group in param_groups([state]):
+            try:
+                owners = [param._module_info.module for param in group.fsdp_params]
+            except AttributeError:
+                continue
+            if any(owner is module for owner in owners):
+                try:
+                    return group, tuple(param_groups(state._state_ctx.all_states))
+                except AttributeError:
+                    return group, ()
+    return None, ()
 
 
 @dataclass(frozen=True)

@@ -130,32 +130,26 @@ class GatheredTokens(Placement):
     columnwise copy (`local_columnwise`, None where no backward reads it), which the first weight
     gradient that reads it gathers over `layout`."""
 
+    made_by = " by PrepareQuantizedModuleInput"
+    instead = (
+        "Name this layer in the style's quantizer_from, give the layers that read one input the same input "
+        "quantizer and backward, or use PrepareModuleInput for this block."
+    )
+
     def __init__(self, layout: TokenLayout, local_columnwise: Storage | None):
         super().__init__()
         self.layout, self.local_columnwise = layout, local_columnwise
 
     def arrived(self, quantizer, tensor, layer, role, *, directions):
-        name = layer.name or "<root>"
-        if quantizer is None or quantizer != tensor.quantizer:
-            raise ValueError(
-                f"layer {name!r}: its input arrived quantized by PrepareQuantizedModuleInput with "
-                f"{tensor.quantizer.describe()}, but the layer's input quantizer is "
-                f"{'none' if quantizer is None else quantizer.describe()}. Name this layer in the style's "
-                "quantizer_from, give the layers that read one input the same input quantizer, or use PrepareModuleInput."
-            )
-        if layer.backward_override == "high_precision":
-            raise ValueError(
-                f"layer {name!r}: backward_override='high_precision' computes its gradients from the high-precision "
-                "input, which a quantized all-gather does not carry. Use PrepareModuleInput for this block."
-            )
+        """The rowwise copy as it arrived; the columnwise one stays this rank's until the backward."""
         if "columnwise" in directions and self.local_columnwise is None:
             raise ValueError(
-                f"layer {name!r}: its weight gradient needs the columnwise copy of its input, which "
+                f"layer {layer.name or '<root>'!r}: its weight gradient needs the columnwise copy of its input, which "
                 "PrepareQuantizedModuleInput made for no gradient: it cast under torch.no_grad, for a block whose "
                 "parameters need no gradient, or for one whose layers all override their backward. Run the block's "
                 "forward with gradients enabled."
             )
-        return tensor.with_storages(tensor.rowwise, None, shape=fold_to_2d(tensor).shape)
+        return super().arrived(quantizer, tensor, layer, role, directions=("rowwise",))
 
     def saved(self, tensor, direction):
         if direction != "columnwise" or self.local_columnwise is None:

@@ -68,8 +68,8 @@ class TensorParallelShard(LayerPlacement):
             raise NotImplementedError(
                 f"layer {linear.name or '<root>'!r}: its weight {linear.parameter_name} is sharded by both FSDP2 "
                 "and tensor parallelism, and FSDP2's state (which tells qtensor the tensor-parallel mesh its "
-                "shard's scale must be reduced over) could not be read. Apply fully_shard to the modules "
-                "quantize_ was given or to modules below them, or keep the layer out of quantize_ (filter_fn)."
+                "shard's scale must be reduced over) could not be read on this torch (distributed/fsdp_state.py). "
+                "Keep the layer out of quantize_ (filter_fn) or out of parallelize_module."
             )
         if linear.transposed or owner == "MultiheadAttention":
             raise NotImplementedError(

@@ -118,9 +118,9 @@ def _float8_block_scaled_mm(forms: list, bias: torch.Tensor | None, out_dtype: t
             use_fast_accum=fast_accumulation,
         )
     elif a.block_cols == b.block_cols == 128 and (a.block_rows, b.block_rows) != (128, 128) and a.data.shape[1] % 128 == 0:
-        # Traced by torch.compile (or run on fake tensors for it), through a custom op: torch 2.11's fake implementation of the
-        # block-scaled GEMM rejects the scales' shapes it is given (its expected shape divides K by
-        # 128 in floating point), and the real GEMM needs no tracing into.
+        # Traced by torch.compile (or run on fake tensors for it), through a custom op: torch 2.11's
+        # fake implementation of the block-scaled GEMM rejects the scales' shapes it is given (its
+        # expected shape divides K by 128 in floating point), and the real GEMM needs no tracing into.
         gemm = hopper_block_scaled_mm if torch.compiler.is_compiling() or is_fake(a.data) else _hopper_block_scaled_mm
         product = gemm(a.data, a.scale_inv, a.block_rows, b.data, b.scale_inv, b.block_rows, product_dtype, fast_accumulation)
     else:

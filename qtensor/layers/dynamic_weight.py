@@ -286,9 +286,9 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, sha
     spread over the same groups, and keeps each shard's reduced amaxes for that shard's cast later in
     the same forward. FSDP2 calls the hooks in the same order on every rank, lists the model's
     parameter groups in the same order on every rank, and which shards are stale is the same on
-    every rank, so every rank issues this collective at the same point. A shard whose values change again before its cast, one that
-    FSDP2's state does not show (CPU offloading), one whose quantizer does not declare its amaxes,
-    and traced casts (torch.compile) reduce their own amaxes as before."""
+    every rank, so every rank issues this collective at the same point. A shard whose values change
+    again before its cast, one that FSDP2's state does not show (CPU offloading), one whose quantizer
+    does not declare its amaxes, and traced casts (torch.compile) reduce their own amaxes as before."""
     groups = sharding.shard_groups
     stored, weight.reduced_amaxes = weight.reduced_amaxes, None
     if stored is not None and stored.matches(key, groups):
