@@ -115,6 +115,12 @@ def measure(system: str, args, device: torch.device, mesh) -> dict:
         synchronize()
         times.append(time.perf_counter() - start)
     gathered = qtensor_fsdp.gather_stats()
+    if system in args.profile and dist.get_rank() == 0:
+        profile(step, synchronize, system)
+    elif system in args.profile:
+        for _ in range(2):
+            step()
+        synchronize()
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     del model, optimizer
@@ -128,6 +134,22 @@ def measure(system: str, args, device: torch.device, mesh) -> dict:
     }
 
 
+def profile(step, synchronize, system: str) -> None:
+    """Two steps under the profiler (rank 0): the host's and the GPU's busiest operations."""
+    from torch.profiler import ProfilerActivity, profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        synchronize()
+    events = prof.key_averages()
+    print(f"--- profile of {system}: two steps, rank 0")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+    gpu = sum(e.self_device_time_total for e in events) / 2 / 1e3
+    print(f"--- {system}: GPU busy {gpu:.1f} ms a step (sum of kernel times)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=None, help="comma-separated (default: every system importable here)")
@@ -138,7 +160,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled systems")
+    parser.add_argument("--profile", default="", help="comma-separated systems to profile for two more steps (rank 0 prints)")
     args = parser.parse_args()
+    args.profile = [name for name in args.profile.split(",") if name]
     if "RANK" not in os.environ:
         parser.error("run under torchrun: torchrun --nproc-per-node N benchmarks/bench_fsdp.py")
     cuda = torch.cuda.is_available()

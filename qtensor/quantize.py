@@ -329,16 +329,17 @@ def _install(site: LinearSite, linear: LinearQuantizers, weights: str) -> None:
     layers[site.attribute] = (linear, weights)
     if "_qtensor_hooks" not in module.__dict__:
         module._qtensor_hooks = [
-            # Tensor parallelism: for each forward the weight attribute is the local shard, which runs
-            # the layer's quantized linear on local tensors (tensor_parallel.py).
-            module.register_forward_pre_hook(tensor_parallel.enter),
-            module.register_forward_hook(tensor_parallel.leave, always_call=True),
             # load_state_dict(assign=True) puts the loaded tensor in place of the weight: quantize it again.
             module.register_load_state_dict_post_hook(_reinstall_after_load),
             # A dynamic weight's entry is its plain values; running state (amax histories) is added.
             module.register_state_dict_post_hook(_save_layer_state),
             module.register_load_state_dict_pre_hook(_load_running_state),
         ]
+    # Tensor parallelism's forward hooks go only on modules whose weight is a DTensor: here where the
+    # model was parallelized first, else when parallelize_module registers one (tensor_parallel.py).
+    # Other modules carry no hook, which keeps their forwards' compiled graphs one for all layers.
+    if tensor_parallel.is_distributed(module._parameters.get(site.attribute)):
+        tensor_parallel.install(module)
 
 
 def _state_prefix(attribute: str) -> str:
@@ -488,3 +489,4 @@ def dequantize_(model: nn.Module) -> None:
         for hook in module._qtensor_hooks:
             hook.remove()
         del module._qtensor_hooks, module._qtensor_layers
+        module.__dict__.pop("_qtensor_tensor_parallel", None)

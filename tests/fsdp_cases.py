@@ -394,15 +394,22 @@ def run_distributed(out_path: str) -> None:
             dist.all_gather(scales, local.rowwise.scale_inv.clone())
             result["scales"] = [float(x) for x in scales]
         results[("meta", recipe, weights)] = result
-    # torchtitan's order with torch.compile: quantize_, compile each block, fully_shard.
+    # torchtitan's order with torch.compile: quantize_, compile each block whole (fullgraph: a graph
+    # break raises) in place of the block, fully_shard; the graph breaks and graphs are counted.
+    from torch._dynamo.utils import counters
+
     for recipe, weights in COMPILED_CASES:
         if only and only != "compiled" or "compiled" in skip:
             break
         torch._dynamo.reset()
+        counters.clear()
         model = build(recipe, weights)
-        for block in model.layers:
-            block.compile(backend=COMPILE_BACKEND)
-        results[("compiled", recipe, weights)] = train(sharded(model, mesh), weights)
+        for index, block in enumerate(model.layers):
+            model.layers[index] = torch.compile(block, backend=COMPILE_BACKEND, fullgraph=True)
+        result = train(sharded(model, mesh), weights)
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["graphs"] = counters["stats"]["unique_graphs"]
+        results[("compiled", recipe, weights)] = result
     # torch.distributed.checkpoint: 2 -> 2 here, 1 -> 2 from the test's single-process saves, and
     # the 2-rank saves for the test to load into one process (2 -> 1).
     import torch.distributed.checkpoint as dcp

@@ -157,6 +157,30 @@ def test_changing_a_quantizer_after_compiling_recompiles(recipe):
     assert not torch.equal(after, before)
 
 
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", ["float8_current", "float8_delayed", "mxfp8"])
+def test_blocks_compiled_one_by_one_share_their_graphs_and_train_as_eager(recipe, weights):
+    """torchtitan compiles each block of a model on its own. Identical quantized blocks differ only in
+    their layers' names and running state, so they share one graph (two: the first block's input
+    needs no gradient). Ten blocks would otherwise pass torch.compile's recompile limit (8) and the
+    last ones would run eagerly. Three SGD steps end where the eager model's end."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(10)])
+    qtensor.quantize_(eager, getattr(qtensor.recipes, recipe)(), weights=weights)
+    blocks = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    for index, block in enumerate(blocks):
+        blocks[index] = torch.compile(block, backend=counter, fullgraph=True)
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+        for got, expected in zip(_step(blocks, x, step), _step(eager, x, step)):  # output, then gradients
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 2
+    for got, expected in zip(blocks.state_dict().values(), eager.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 INDUCTOR_CASES = [
     "float8_current",
     pytest.param("mxfp8", marks=pytest.mark.xfail(

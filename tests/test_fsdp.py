@@ -50,8 +50,14 @@ def test_sharded_training_equals_single_process_training(distributed, recipe, we
 
 @pytest.mark.parametrize("recipe, weights", fsdp_cases.COMPILED_CASES)
 def test_compiled_blocks_shard_and_train_like_one_eager_process(distributed, recipe, weights):
-    """torchtitan's order: quantize_, compile each block, fully_shard; against eager in one process."""
+    """torchtitan's order: quantize_, compile each block whole, fully_shard; against eager in one
+    process. Each block is one graph with qtensor's FSDP2 hooks outside it and the casts and the
+    quantized linears inside: no graph break, and the blocks share their graphs: one for training
+    where the block's input needs a gradient, one where it does not (the first block), one for the
+    evaluation forward under no_grad."""
     sharded = distributed[("compiled", recipe, weights)]
+    assert sharded["graph_breaks"] == 0
+    assert sharded["graphs"] == 3
     single = fsdp_cases.train(fsdp_cases.build(recipe, weights), weights)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
     torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-6, atol=1e-7)

@@ -283,9 +283,11 @@ class QuantizedTensor(torch.Tensor):
         buffers = {name.replace("__", "."): t for name, t in inner_tensors.items()}
         return TensorPlan.from_key(key, outer_size).assemble(buffers, quantizer)
 
+    @torch.compiler.disable(recursive=False)
     def __getattr__(self, name):
         # The inner tensors __tensor_flatten__ names: "rowwise__data" is self.rowwise.data, a shared
-        # tensor-wide "scale_inv" is self.rowwise.scale_inv.
+        # tensor-wide "scale_inv" is self.rowwise.scale_inv. Not compiled as a frame of its own: a
+        # compiled graph's wrapper reads the inner tensors by these names when it runs.
         direction, separator, field = name.partition("__")
         if not separator:
             direction, field = "rowwise", name

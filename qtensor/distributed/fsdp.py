@@ -142,7 +142,8 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
     world_size = mesh.size()
     shard_rows = ceil_div(outer_size[0], world_size) * _rows_per_index(outer_size)
     rebuilt, sent = _split_rebuilt(tensor, directions)
-    check_block_boundaries(tensor, {d for phase in phases for d in _split_rebuilt(tensor, phase)[1]}, shard_rows, name)
+    if world_size > 1:  # one rank's shard is the whole tensor: no edge to cut a block
+        check_block_boundaries(tensor, {d for phase in phases for d in _split_rebuilt(tensor, phase)[1]}, shard_rows, name)
     pieces = [b for d in sent for b in _row_buffers(tensor.storage_for(d).zero_padded(shard_rows))]
     # Every gather of this parameter sends the same number of bytes: the most any phase sends.
     capacity = max(_payload_bytes(tensor, _split_rebuilt(tensor, phase)[1], shard_rows) for phase in phases)

@@ -193,8 +193,31 @@ class TensorParallelShard(LayerPlacement):
         return x.to_local(grad_placements=(grad,) if grad is not None else None)
 
 
+def install(module: torch.nn.Module) -> None:
+    """Give a quantized module whose weight is a DTensor the forward hooks below (once); `dequantize_`
+    removes them with the module's other hooks."""
+    if module.__dict__.get("_qtensor_tensor_parallel"):
+        return
+    module._qtensor_tensor_parallel = True
+    module._qtensor_hooks += [
+        module.register_forward_pre_hook(enter),
+        module.register_forward_hook(leave, always_call=True),
+    ]
+
+
+def _on_parameter_registered(module: torch.nn.Module, name: str, parameter) -> None:
+    """Called for every parameter a module registers: `parallelize_module` registers a quantized
+    layer's weight as a DTensor, and the layer then needs its hooks."""
+    if is_distributed(parameter) and name in module.__dict__.get("_qtensor_layers", {}):
+        install(module)
+
+
+if DTensor is not None:
+    torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
+
+
 def enter(module: torch.nn.Module, args) -> None:
-    """Forward pre-hook of every quantized module: a weight that is a DTensor at forward time was
+    """Forward pre-hook of a quantized module whose weight is a DTensor (`install`): a weight that is a DTensor at forward time was
     placed by tensor parallelism (FSDP2 gathers its own dimension before this hook). For this forward
     the weight attribute is the local shard, placed by its `TensorParallelShard`; its gradient flows
     back to the DTensor parameter."""

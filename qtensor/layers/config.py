@@ -51,16 +51,18 @@ class LayerRunning:
 @dataclass(frozen=True)
 class LinearQuantizers:
     """The quantizers of one linear layer, by tensor role; None keeps that tensor in high precision.
-    Compares and hashes by value (torch.compile guards on the one a weight carries)."""
+    Compares and hashes by value, names aside (torch.compile guards on the one a weight carries)."""
 
     input: Quantizer | None
     weight: Quantizer | None
     grad_output: Quantizer | None
     backward_override: str | None = None
-    name: str = ""
-    # The parameter's qualified name where it is not `<name>.weight` (nn.MultiheadAttention's
-    # `<name>.in_proj_weight`), for messages.
-    parameter: str = ""
+    # The layer's name and, where it is not `<name>.weight` (nn.MultiheadAttention's
+    # `<name>.in_proj_weight`), its parameter's qualified name: for messages only. Left out of
+    # equality, so the layers of a model's identical blocks compare equal and torch.compile traces
+    # one graph for all of them instead of one per block.
+    name: str = field(default="", compare=False)
+    parameter: str = field(default="", compare=False)
     # A Hugging Face Conv1D: its module computes `torch.addmm(bias, x, weight)` with the weight kept
     # as [in_features, out_features]. A dynamic weight keeps that layout; a quantized one is held
     # as [out_features, in_features], the layout every GEMM of the layer reads.

@@ -88,7 +88,9 @@ def _input_operand(quantizer: Quantizer | None, x: torch.Tensor, x2d: torch.Tens
     same unchanged `x` with an equal quantizer that casts reproducibly (no state, no random draws)."""
     if quantizer is None:
         return x2d
-    shareable = quantizer.casts_reproducibly() and not (torch.compiler.is_compiling() or is_fake(x) or x.is_inference())
+    if torch.compiler.is_compiling():  # the compiled graph shares the casts itself (common subexpressions)
+        return quantizer.quantize(x2d, rowwise=True, columnwise=columnwise)
+    shareable = quantizer.casts_reproducibly() and not (is_fake(x) or x.is_inference())
     slot = _input_cast_slot()
     if shareable and slot.last is not None and slot.last.serves(x, quantizer, columnwise):
         return slot.last.quantized
@@ -195,13 +197,14 @@ class QuantizedLinearFunction(torch.autograd.Function):
         ctx.linear, ctx.placement, ctx.needs_grad = linear, placement, needs_grad
         # An evaluation or inference forward has no backward: its notes are dropped here.
         ctx.state, ctx.amax_notes = state, (notes if training else [])
-        ctx.input_cast_slot = _input_cast_slot()
+        ctx.input_cast_slot = None if torch.compiler.is_compiling() else _input_cast_slot()
         ctx.grads = GradientLayout(x.shape, x.dtype, weight.dtype, weight.stored_transposed, bias.dtype if bias is not None else None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        ctx.input_cast_slot.last = None  # the forward is over: the last input cast is freed
+        if ctx.input_cast_slot is not None:
+            ctx.input_cast_slot.last = None  # the forward is over: the last input cast is freed
         saved = ctx.saved_tensors
         x_rebuild, w_rebuild = ctx.rebuild
         split = len(saved) - len(w_rebuild.names if w_rebuild else [None])

@@ -37,6 +37,13 @@ def high_precision():
         _quantizing.reset(token)
 
 
+@torch._dynamo.assume_constant_result
+def _quantizing_now() -> bool:
+    """The switch; under torch.compile read once, when the graph is traced (Dynamo cannot trace a
+    ContextVar, and a graph break here would split every block at each of its linears)."""
+    return _quantizing.get()
+
+
 _TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.transpose, torch.transpose}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 _ADDMMS = {torch.addmm, torch.Tensor.addmm}
@@ -101,7 +108,7 @@ def torch_function(func, args, kwargs):
 
 def route(func, args, kwargs):
     """The layer's quantized linear (or the gradient through it) where `func` means it; NotImplemented otherwise."""
-    if not _quantizing.get():
+    if not _quantizing_now():
         return NotImplemented
     if func is torch.autograd.grad:
         return _grad_through_edges(args, kwargs)

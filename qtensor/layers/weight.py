@@ -58,6 +58,7 @@ class LayerWeight:
         # The layer's linear where `func` means it, plain-tensor semantics otherwise.
         return routing.torch_function(func, args, kwargs or {})
 
+    @torch.compiler.disable  # a compiled graph's wrapper reads inner tensors by name: not a frame to compile
     def __getattr__(self, name):
         if traced_state.is_state_name(name):
             return traced_state.inner_tensor(self, name)
@@ -144,6 +145,7 @@ class QuantizedWeight(LayerWeight):
         traced_state.bind(result, inner_tensors)
         return result
 
+    @torch.compiler.disable
     def __getattr__(self, name):
         if name.startswith("cast__") and self.gathered_cast is not None:
             return self.gathered_cast.notes[int(name.removeprefix("cast__"))][1]
