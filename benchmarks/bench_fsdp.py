@@ -115,12 +115,15 @@ def measure(system: str, args, device: torch.device, mesh) -> dict:
         synchronize()
         times.append(time.perf_counter() - start)
     gathered = qtensor_fsdp.gather_stats()
-    if system in args.profile and dist.get_rank() == 0:
-        profile(step, synchronize, system)
-    elif system in args.profile:
-        for _ in range(2):
-            step()
-        synchronize()
+    for wanted, run in ((args.profile, profile), (args.host_profile, host_profile)):
+        if system not in wanted:
+            continue
+        if dist.get_rank() == 0:
+            run(step, synchronize, system)
+        else:  # the other ranks take the same steps
+            for _ in range(2):
+                step()
+            synchronize()
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     del model, optimizer
@@ -150,6 +153,23 @@ def profile(step, synchronize, system: str) -> None:
     print(f"--- {system}: GPU busy {gpu:.1f} ms a step (sum of kernel times)", flush=True)
 
 
+def host_profile(step, synchronize, system: str) -> None:
+    """Two steps under cProfile (rank 0): where the host's Python time goes."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2):
+        step()
+    synchronize()
+    profiler.disable()
+    print(f"--- host profile of {system}: two steps, rank 0")
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=None, help="comma-separated (default: every system importable here)")
@@ -161,8 +181,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled systems")
     parser.add_argument("--profile", default="", help="comma-separated systems to profile for two more steps (rank 0 prints)")
+    parser.add_argument("--host-profile", default="", help="comma-separated systems to run two more steps of under cProfile")
     args = parser.parse_args()
     args.profile = [name for name in args.profile.split(",") if name]
+    args.host_profile = [name for name in args.host_profile.split(",") if name]
     if "RANK" not in os.environ:
         parser.error("run under torchrun: torchrun --nproc-per-node N benchmarks/bench_fsdp.py")
     cuda = torch.cuda.is_available()

@@ -66,6 +66,9 @@ class GatherPlan:
     shard_rows: int  # rows of the padded shard's 2-D view
     packed: bool  # uneven shards: the input has the padded shard's shape
     world_size: int
+    # Each rank sends exactly one buffer, unpadded (Float8's data, its scale tensor-wide): the
+    # gathered bytes are the unsharded buffer, used in place (no copy in or out).
+    in_place: bool = False
 
 
 def directions_needed(linear_quantizers, regather: bool | None) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
@@ -148,6 +151,12 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
     # Every gather of this parameter sends the same number of bytes: the most any phase sends.
     capacity = max(_payload_bytes(tensor, _split_rebuilt(tensor, phase)[1], shard_rows) for phase in phases)
     packed = outer_size[0] % world_size != 0
+    if not packed and len(pieces) == 1 and pieces[0].nbytes == capacity and pieces[0].is_contiguous():
+        # The one buffer is the payload: FSDP2 copies it into its all-gather buffer, and what arrives
+        # is the unsharded buffer (post_all_gather uses it in place).
+        payload = pieces[0].reshape(-1).view(torch.uint8)
+        count_gather((payload,), mesh, outer_size)
+        return (payload,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size, in_place=True)
     if packed:  # uneven shards: FSDP2 wants the input in the padded shard's shape
         padded_shape = (ceil_div(outer_size[0], world_size), *outer_size[1:])
         dtype = next(d for d in _PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
@@ -170,6 +179,8 @@ def post_all_gather(
     total_rows = outer_size[0] * _rows_per_index(outer_size)
     (output,) = outputs
     raw = output.reshape(-1).view(torch.uint8)
+    if plan.in_place:
+        return _post_all_gather_in_place(local, raw, plan, total_rows, outer_size, dtype, out)
     per_rank = raw.numel() // plan.world_size
     templates = {d: local.storage_for(d) for d in plan.directions}
     pieces: dict[str, list[Storage]] = {d: [] for d in plan.directions}
@@ -209,6 +220,51 @@ def post_all_gather(
     unsharded = local.with_storages(storages["rowwise"], storages["columnwise"], shape=torch.Size(outer_size), dtype=dtype)
     buffers = unsharded.buffer_dict(quantizer_state=False)
     return unsharded, tuple(buffers.values())
+
+
+def _post_all_gather_in_place(local: QuantizedTensor, raw: torch.Tensor, plan: GatherPlan, total_rows: int,
+                              outer_size: torch.Size, dtype: torch.dtype, out=None):
+    """`post_all_gather` where the gathered bytes are the unsharded buffer of the one direction sent
+    (`GatherPlan.in_place`): that buffer is a view of FSDP2's all-gather output, which FSDP2 frees
+    after the layer's GEMMs and fills again, in the same storage, at the next gather. Only the
+    tensor-wide buffers (the scale) and a direction rebuilt from the sent one (Float8's transpose)
+    are written."""
+    (direction,) = plan.directions
+    gathered, _ = unpacked_rows(raw, local.storage_for(direction), total_rows)
+    if out is not None:
+        out = getattr(out, "_local_tensor", out)  # a DTensor over tensor parallelism
+        mine = getattr(out, direction)
+        for name, buffer in gathered.buffers.items():
+            target = mine.buffers[name]
+            if target.data_ptr() != buffer.data_ptr():  # the view the first call made is already it
+                with torch.autograd._unsafe_preserve_version_counter(target):
+                    target.copy_(buffer)
+        for rebuilt in plan.rebuilt:
+            if getattr(out, rebuilt) is not mine:
+                _write_into(out, {rebuilt: mine.to_direction(rebuilt)})
+        return None
+    copies: dict[int, torch.Tensor] = {}
+    storages = {direction: gathered}
+    for other in DIRECTIONS:
+        present = getattr(local, other)
+        if other == direction or present is None:
+            continue
+        if other in plan.rebuilt:
+            storages[other] = gathered if local.columnwise is local.rowwise else gathered.to_direction(other)
+        else:
+            storages[other] = _empty_like_rows(present, total_rows, copies)
+    for storage in storages.values():  # the unsharded tensor owns its tensor-wide buffers (as below)
+        for spec in storage.buffer_specs():
+            if spec.tensor_wide:
+                buffer = getattr(storage, spec.name)
+                setattr(storage, spec.name, copies.setdefault(id(buffer), buffer.clone()))
+    unsharded = local.with_storages(storages.get("rowwise"), storages.get("columnwise"),
+                                    shape=torch.Size(outer_size), dtype=dtype)
+    # FSDP2 frees and refills its own output: the gathered buffer is left out of the inner tensors
+    # it frees (freeing a view would shrink that storage to the view's size).
+    sent = {id(buffer) for buffer in gathered.buffers.values() if buffer.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()}
+    inner = tuple(b for b in unsharded.buffer_dict(quantizer_state=False).values() if id(b) not in sent)
+    return unsharded, inner
 
 
 def full_tensor(value: torch.Tensor, name: str) -> torch.Tensor:

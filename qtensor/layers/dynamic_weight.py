@@ -188,16 +188,16 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         sharding = self._note_fsdp(mesh, module)
         linear = self.linear_quantizers
-        values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
         # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along
         # in_features, across the rows of what the GEMM reads, so it gathers its high-precision
         # values and is quantized at use, as on one process.
         if not self._casts_shard():
+            values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
             padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
             padded[: values.shape[0]].copy_(values)
             fsdp.count_gather((padded,), mesh, outer_size)
             return (padded,), (None, outer_size, None)
-        quantized = self._quantized_shard(values, sharding)
+        quantized = self._quantized_shard(mp_policy.param_dtype, sharding)
         needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(sharding))
         inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, quantized)
@@ -224,18 +224,20 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         cast.notes, cast.version = quantized.shard_notes
         return result
 
-    def _quantized_shard(self, values: torch.Tensor, sharding) -> QuantizedTensor:
+    def _quantized_shard(self, param_dtype: torch.dtype | None, sharding) -> QuantizedTensor:
         """The local shard quantized in both directions, once per version of the weight and of its
         quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
         process quantizes once), with tensor-wide amaxes reduced over the groups its pieces are spread
         over (`sharding.shard_groups`, an `fsdp_state.FsdpLayer`) so that every shard
         shares one scale: reduced before, for every stale dynamic weight of the model in one
         collective (`_batched_amaxes`), or by the cast itself. Its amax notes travel with it, not
-        written here."""
+        written here. The values are cast from `param_dtype` (FSDP2's MixedPrecisionPolicy; None:
+        the parameter's own), converted only when the cast is made."""
         quantizer = self.linear_quantizers.weight
-        key = self._shard_key(values.dtype)
+        key = self._shard_key(param_dtype or self._data.dtype)
         if self.shard_cast is not None and self.shard_cast.key == key:
             return self.shard_cast.quantized
+        values = self._data if param_dtype is None else self._data.to(param_dtype)
         amaxes = _batched_amaxes(self, values, key, sharding)
         reduction = sharded_cast(sharding.shard_groups, reduced=amaxes, owner=self.linear_quantizers.parameter_name)
         with running_state.noting() as notes, reduction, torch.autocast(values.device.type, enabled=False):
