@@ -278,6 +278,14 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(x.device.type)
 
 
+def autocast_off(device_type: str):
+    """A context with autocast off on `device_type`: torch.autocast(enabled=False) where autocast is
+    on, nothing to enter where it is off (the per-step hooks run this often)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 # ---- JSON form (pickling and checkpoint metadata); only qtensor's own classes are rebuilt ----
 DTYPES_BY_NAME = {
     str(d).removeprefix("torch."): d

@@ -27,6 +27,7 @@ import torch
 
 from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
 from ..core.ops import mark_scales, scales_agreed
+from ..core.quantizer import autocast_off
 from .fsdp_state import placement_groups
 from .packing import aligned as _aligned, row_buffers as _row_buffers, unpacked_rows
 from ..core.storage import DIRECTIONS, Storage
@@ -132,7 +133,7 @@ def without_autocast(function):
     def wrapped(tensor, *args, **kwargs):
         if tensor.device.type == "meta":
             return function(tensor, *args, **kwargs)
-        with torch.autocast(tensor.device.type, enabled=False):
+        with autocast_off(tensor.device.type):
             return function(tensor, *args, **kwargs)
 
     return wrapped

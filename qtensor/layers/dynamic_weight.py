@@ -15,8 +15,8 @@ from ..core import running_state
 from ..core.kernels import is_fake
 from .config import LinearQuantizers
 from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
-from ..core.quantizer import fold_to_2d
-from ..core.tensor import QuantizedTensor
+from ..core.quantizer import autocast_off, fold_to_2d
+from ..core.tensor import QuantizedTensor, split_rebuilt
 from .weight import GatheredCast, LayerWeight, quantized_weight
 
 
@@ -225,7 +225,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         return result
 
     def _quantized_shard(self, param_dtype: torch.dtype | None, sharding) -> QuantizedTensor:
-        """The local shard quantized in both directions, once per version of the weight and of its
+        """The local shard quantized in the directions gathers send, once per version of the weight and of its
         quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
         process quantizes once), with tensor-wide amaxes reduced over the groups its pieces are spread
         over (`sharding.shard_groups`, an `fsdp_state.FsdpLayer`) so that every shard
@@ -240,8 +240,13 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         values = self._data if param_dtype is None else self._data.to(param_dtype)
         amaxes = _batched_amaxes(self, values, key, sharding)
         reduction = sharded_cast(sharding.shard_groups, reduced=amaxes, owner=self.linear_quantizers.parameter_name)
-        with running_state.noting() as notes, reduction, torch.autocast(values.device.type, enabled=False):
-            cast = quantizer.quantize(values, rowwise=True, columnwise=True)
+        # A columnwise copy rebuilt after each gather from the rowwise one (Float8's transpose) is
+        # never sent: once the previous cast by this quantizer showed that, the shard is cast
+        # rowwise only (the gathered tensor made by the first gather keeps its columnwise buffers).
+        previous = self.shard_cast.quantized if self.shard_cast is not None else None
+        columnwise = previous is None or previous.quantizer is not quantizer or split_rebuilt(previous, ("columnwise",))[0] != ("columnwise",)
+        with running_state.noting() as notes, reduction, autocast_off(values.device.type):
+            cast = quantizer.quantize(values, rowwise=True, columnwise=columnwise)
         quantized = quantized_weight(cast, self.linear_quantizers)
         quantized.shard_notes = (notes, (id(self._writes), key[0]))
         self.shard_cast = ShardCast(key, quantized)
@@ -300,7 +305,7 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, sha
     layer_group = sharding.param_group
     if layer_group is None or not any(p.local is weight for p in fsdp_state.sharded_parameters([layer_group])):
         return None
-    with torch.autocast(values.device.type, enabled=False):
+    with autocast_off(values.device.type):
         amaxes = weight.linear_quantizers.weight.tensor_amaxes(fold_to_2d(values), True, True)
     if amaxes is None:
         return None
@@ -315,7 +320,7 @@ def _batched_amaxes(weight: DynamicWeight, values: torch.Tensor, key: tuple, sha
         shard_key = shard._shard_key(shard_values.dtype)
         if not _stale(shard, shard_key, groups):
             continue
-        with torch.autocast(shard_values.device.type, enabled=False):
+        with autocast_off(shard_values.device.type):
             shard_amaxes = shard.linear_quantizers.weight.tensor_amaxes(fold_to_2d(shard_values), True, True)
         if shard_amaxes is not None:
             batch.append((shard, shard_key, shard_amaxes))
