@@ -113,6 +113,28 @@ COMPILED_CASES = [
 COMPILE_BACKEND = os.environ.get("FSDP_COMPILE_BACKEND") or ("inductor" if os.environ.get("QTENSOR_TEST_DEVICE", "cpu") == "cuda" else "aot_eager")
 
 
+def recording_backend():
+    """(a torch.compile backend, the code of every forward and backward graph it compiles):
+    COMPILE_BACKEND (aot_eager on the CPU, inductor on the GPU) keeping each graph's code."""
+    graphs = []
+    if COMPILE_BACKEND == "inductor":
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner(graph_module, example_inputs, **options):
+            graphs.append(graph_module.code)
+            return compile_fx_inner(graph_module, example_inputs, **options)
+
+        return (lambda graph_module, example_inputs: compile_fx(graph_module, example_inputs, inner_compile=inner)), graphs
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return make_boxed_func(graph_module.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record), graphs
+
+
 def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = Net().to(device())
@@ -404,11 +426,16 @@ def run_distributed(out_path: str) -> None:
         torch._dynamo.reset()
         counters.clear()
         model = build(recipe, weights)
+        backend, graphs = recording_backend()
         for index, block in enumerate(model.layers):
-            model.layers[index] = torch.compile(block, backend=COMPILE_BACKEND, fullgraph=True)
+            model.layers[index] = torch.compile(block, backend=backend, fullgraph=True)
         result = train(sharded(model, mesh), weights)
         result["graph_breaks"] = sum(counters["graph_break"].values())
         result["graphs"] = counters["stats"]["unique_graphs"]
+        # Collectives traced into the graphs (the backward's amax reduction, delayed scaling): by
+        # process group name, never as a ProcessGroup object, which the compiled backward cannot copy.
+        result["process_group_constants"] = sum(code.count("_torchbind_obj") for code in graphs)
+        result["collectives"] = sum(code.count("_c10d_functional.all_reduce") for code in graphs)
         results[("compiled", recipe, weights)] = result
     # torch.distributed.checkpoint: 2 -> 2 here, 1 -> 2 from the test's single-process saves, and
     # the 2-rank saves for the test to load into one process (2 -> 1).

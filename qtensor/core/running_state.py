@@ -25,6 +25,8 @@ import contextvars
 
 import torch
 
+from .kernels import is_fake
+
 _notes: contextvars.ContextVar[list | None] = contextvars.ContextVar("qtensor_amax_notes", default=None)
 
 
@@ -70,7 +72,9 @@ def _world_size(group) -> int:
 def _all_reduce_max(values: torch.Tensor, group) -> torch.Tensor:
     import torch.distributed as dist
 
-    if torch.compiler.is_compiling():
+    # Traced: Dynamo's trace of the forward, and AOTAutograd's trace of the backward, which runs this
+    # on functional or fake tensors while torch.compiler.is_compiling() is False.
+    if torch.compiler.is_compiling() or type(values) is not torch.Tensor or is_fake(values):
         # A traceable collective: the compiled backward reduces the amaxes it writes.
         from torch.distributed import _functional_collectives as funcol
 
