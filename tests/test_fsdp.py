@@ -58,9 +58,10 @@ def test_compiled_blocks_shard_and_train_like_one_eager_process(distributed, rec
     sharded = distributed[("compiled", recipe, weights)]
     assert sharded["graph_breaks"] == 0
     assert sharded["graphs"] == 3
-    assert sharded["process_group_constants"] == 0
-    if recipe == "float8_delayed":  # its backward reduces the step's amaxes over the ranks
-        assert sharded["collectives"] > 0
+    if "process_group_constants" in sharded:  # the graphs' code, recorded on the CPU (aot_eager)
+        assert sharded["process_group_constants"] == 0
+        if recipe == "float8_delayed":  # its backward reduces the step's amaxes over the ranks
+            assert sharded["collectives"] > 0
     single = fsdp_cases.train(fsdp_cases.build(recipe, weights), weights)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
     torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-6, atol=1e-7)
