@@ -56,6 +56,7 @@ def test_compiled_blocks_shard_and_train_like_one_eager_process(distributed, rec
     where the block's input needs a gradient, one where it does not (the first block), one for the
     evaluation forward under no_grad."""
     sharded = distributed[("compiled", recipe, weights)]
+    assert "error" not in sharded, sharded["error"]
     assert sharded["graph_breaks"] == 0
     assert sharded["graphs"] == 3
     if "process_group_constants" in sharded:  # the graphs' code, recorded on the CPU (aot_eager)
@@ -317,6 +318,19 @@ def test_frozen_weights_are_reduced_once_then_left_out(distributed):
     model = fsdp_cases.build("float8_current", "dynamic")
     model.layers[0].requires_grad_(False)
     _assert_trains_exactly_like(result, fsdp_cases.train_counting_amax_reductions(model))
+
+
+def test_trained_weights_release_their_shard_casts_after_the_backward_and_frozen_ones_keep_them(distributed):
+    """The pre-backward re-gather is the last use of a trained weight's cast before the optimizer
+    writes it: the cast is not kept (memory). A frozen block's casts stay for the next step, and
+    the root (never re-gathered) keeps its own. Training equals one process."""
+    result = distributed["frozen_middle"]
+    kept = ["head.weight", "layers.1.down.weight", "layers.1.up.weight"]
+    assert result["cached_casts"] == [kept] * fsdp_cases.STEPS
+    model = fsdp_cases.build("float8_current", "dynamic")
+    model.layers[1].requires_grad_(False)
+    single = fsdp_cases.train_losses(model, "dynamic", outputs=fsdp_cases.OUT)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-6, atol=0)
 
 
 def test_amaxes_are_batched_under_a_mixed_precision_policy_and_with_compiled_blocks(distributed):

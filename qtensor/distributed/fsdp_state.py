@@ -154,6 +154,18 @@ def sharded_parameters(groups) -> list[ShardedParameter]:
     return found
 
 
+def trains(local, group) -> bool | None:
+    """Whether the parameter whose local shard is `local` requires a gradient, read from its FSDP2
+    parameter `group`; None where FSDP2's state cannot be read."""
+    try:
+        for param in group.fsdp_params:
+            if param._sharded_local_tensor is local:
+                return param.sharded_param.requires_grad
+    except AttributeError:
+        pass
+    return None
+
+
 def param_groups(states):
     """The parameter groups of FSDP2's `states`, in their order; none where FSDP2's state cannot be read."""
     for state in states:

@@ -27,6 +27,8 @@ class ShardCast:
 
     key: tuple
     quantized: QuantizedTensor
+    # The amaxes the cast took, already reduced (`ReducedAmaxes`), or None: it reduced its own.
+    reduced: "ReducedAmaxes | None" = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     # FSDP2 (fsdp_pre_all_gather): the last cast of the local shard, and amaxes reduced for the next.
     shard_cast: ShardCast | None = None
     reduced_amaxes: ReducedAmaxes | None = None
+    # The weight quantizer whose casts' columnwise copy gathers rebuild from the rowwise one.
+    rowwise_cast_suffices: object = None
 
     @staticmethod
     def __new__(
@@ -177,7 +181,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def __deepcopy__(self, memo):
         duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
         # The copy starts with its own write log and no cached quantized copies.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "shard_cast", "reduced_amaxes")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "shard_cast", "reduced_amaxes", "rowwise_cast_suffices")}
         duplicate.__dict__.update(copy.deepcopy(state, memo))
         return duplicate
 
@@ -200,6 +204,12 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         quantized = self._quantized_shard(mp_policy.param_dtype, sharding)
         needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(sharding))
         inputs, plan = fsdp.pre_all_gather(quantized, mesh, outer_size, needed, linear.parameter_name)
+        if torch._C._current_graph_task_id() != -1 and fsdp_state.trains(self, sharding.param_group):
+            # The pre-backward re-gather is the last use of this cast before the optimizer step
+            # writes the values: not kept until then (a byte or more per parameter of every layer).
+            # Its reduced amaxes are: another micro-batch (gradient accumulation) casts again from
+            # them, with no new all-reduce. A frozen weight keeps its cast.
+            self.shard_cast, self.reduced_amaxes = None, self.shard_cast.reduced
         return inputs, (plan, outer_size, quantized)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -241,15 +251,16 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         amaxes = _batched_amaxes(self, values, key, sharding)
         reduction = sharded_cast(sharding.shard_groups, reduced=amaxes, owner=self.linear_quantizers.parameter_name)
         # A columnwise copy rebuilt after each gather from the rowwise one (Float8's transpose) is
-        # never sent: once the previous cast by this quantizer showed that, the shard is cast
-        # rowwise only (the gathered tensor made by the first gather keeps its columnwise buffers).
-        previous = self.shard_cast.quantized if self.shard_cast is not None else None
-        columnwise = previous is None or previous.quantizer is not quantizer or split_rebuilt(previous, ("columnwise",))[0] != ("columnwise",)
+        # never sent: once a cast by this quantizer showed that, the shard is cast rowwise only
+        # (the gathered tensor made by the first gather keeps its columnwise buffers).
+        columnwise = self.rowwise_cast_suffices is not quantizer
         with running_state.noting() as notes, reduction, autocast_off(values.device.type):
             cast = quantizer.quantize(values, rowwise=True, columnwise=columnwise)
         quantized = quantized_weight(cast, self.linear_quantizers)
+        if columnwise and split_rebuilt(quantized, ("columnwise",))[0] == ("columnwise",):
+            self.rowwise_cast_suffices = quantizer
         quantized.shard_notes = (notes, (id(self._writes), key[0]))
-        self.shard_cast = ShardCast(key, quantized)
+        self.shard_cast = ShardCast(key, quantized, ReducedAmaxes(key, sharding.shard_groups, amaxes) if amaxes is not None else None)
         return quantized
 
     def _shard_key(self, dtype: torch.dtype) -> tuple:
