@@ -292,6 +292,49 @@ def test_compiled_graphs_trace_the_fusable_casts_and_call_the_other_kernels(reci
 
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_graphs_train_as_eager_and_update_delayed_scaling_inside_the_graph(recipe):
+    """torch.compile(mode="reduce-overhead") replays the step as CUDA graphs (inductor does not skip
+    them: no "skipping cudagraphs" warning), and three training steps with optimizer steps between
+    them equal eager's: outputs, gradients, and delayed scaling's histories, which the replayed
+    graphs update."""
+    import logging
+
+    from torch._inductor.cudagraph_utils import cudagraphs_log
+
+    eager = mlp(recipe, "dynamic").cuda()
+    graphed_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    graphed = torch.compile(graphed_model, mode="reduce-overhead")
+    skips, handler = [], logging.Handler()
+    handler.emit = lambda record: skips.append(record.getMessage())
+    cudagraphs_log.addHandler(handler)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (eager, graphed_model)]
+    try:
+        for step in range(4):  # the first calls record the graphs, the later ones replay them
+            x = torch.randn(64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            torch.manual_seed(step)
+            expected = eager(x)
+            expected.square().sum().backward()
+            torch.compiler.cudagraph_mark_step_begin()
+            torch.manual_seed(step)
+            got = graphed(x)
+            got.square().sum().backward()
+            torch.testing.assert_close(got.clone(), expected, rtol=1e-5, atol=1e-5)
+            for p_eager, p_graphed in zip(eager.parameters(), graphed_model.parameters()):
+                torch.testing.assert_close(p_graphed.grad, p_eager.grad, rtol=1e-5, atol=1e-5)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        cudagraphs_log.removeHandler(handler)
+    assert not skips, skips
+    for got, expected in zip(_histories(graphed_model), _histories(eager), strict=True):
+        torch.testing.assert_close(got, expected.to(got.device), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 def test_delayed_scaling_updates_its_histories_in_place_inside_the_compiled_step(weights):
     """The histories are inputs of the compiled graphs, written in place: a training step writes them

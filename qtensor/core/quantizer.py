@@ -87,7 +87,7 @@ class Quantizer:
     def __eq__(self, other) -> bool:
         # By value (two quantizers with one configuration make byte-compatible tensors), so that
         # torch.compile can guard on the quantizer a tensor carries.
-        return isinstance(other, Quantizer) and self.config_key() == other.config_key()
+        return self is other or (isinstance(other, Quantizer) and self.config_key() == other.config_key())
 
     def __hash__(self) -> int:
         return hash(self.config_key())

@@ -258,6 +258,13 @@ class Storage:
         """This storage re-laid out for the other direction, or None when the format cannot."""
         return self if direction == self.direction else None
 
+    def write_direction_into(self, target: "Storage") -> None:
+        """This storage re-laid out for `target`'s direction, written into its buffers (versions kept)."""
+        rebuilt = self.to_direction(target.direction).buffers
+        for name, buffer in target.buffers.items():
+            with torch.autograd._unsafe_preserve_version_counter(buffer):  # FSDP2 refills saved buffers
+                buffer.copy_(rebuilt[name])
+
     # ---- derived from the layout --------------------------------------------------------------
     @classmethod
     def empty_buffers(cls, names, direction: str, rows: int, cols: int, device, **options) -> tuple[torch.Tensor, ...]:
@@ -300,9 +307,7 @@ class Storage:
     def rebuilt(self, buffers: dict[str, torch.Tensor], *, rows: int | None = None, cols: int | None = None, row_slice: bool = False) -> "Storage":
         """A storage of this kind, direction and options over other buffers (and row or column count)."""
         return type(self)(
-            direction=self.direction,
-            rows=self.rows if rows is None else rows,
-            cols=self.cols if cols is None else cols,
+            direction=self.direction, rows=self.rows if rows is None else rows, cols=self.cols if cols is None else cols,
             row_slice=row_slice,
             **self.options,
             **buffers,

@@ -241,8 +241,9 @@ def _post_all_gather_in_place(local: QuantizedTensor, raw: torch.Tensor, plan: G
                 with torch.autograd._unsafe_preserve_version_counter(target):
                     target.copy_(buffer)
         for rebuilt in plan.rebuilt:
-            if getattr(out, rebuilt) is not mine:
-                _write_into(out, {rebuilt: mine.to_direction(rebuilt)})
+            target = getattr(out, rebuilt)
+            if target is not mine:
+                mine.write_direction_into(target)
         return None
     copies: dict[int, torch.Tensor] = {}
     storages = {direction: gathered}

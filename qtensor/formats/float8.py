@@ -98,6 +98,13 @@ class Float8Storage(Storage):
             data=self.data.t().contiguous(), scale_inv=self.scale_inv,
         )
 
+    def write_direction_into(self, target: "Float8Storage") -> None:
+        if target.direction == self.direction:
+            return super().write_direction_into(target)
+        for buffer, source in ((target.data, self.data.t()), (target.scale_inv, self.scale_inv)):
+            with torch.autograd._unsafe_preserve_version_counter(buffer):
+                buffer.copy_(source)  # the transpose written straight into the target's codes
+
 
 class Float8Tensor(QuantizedTensor):
     """A tensor stored as FP8 codes with one fp32 scale."""

@@ -5,7 +5,7 @@ which version of its weight was recorded last)."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -77,6 +77,15 @@ class LinearQuantizers:
     # made: whether a quantizer keeps running state is settled when it is built.
     records_amaxes: bool = field(init=False, compare=False, hash=False, repr=False)
 
+    def __eq__(self, other):
+        # As the dataclass's own comparison (the fields with compare=True), answered at once for the
+        # same object: torch.compile's guards compare each weight's configuration on every call.
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _COMPARED)
+
     def __post_init__(self):
         # The one write a frozen dataclass allows itself: a field derived from the others at construction.
         object.__setattr__(self, "records_amaxes", bool(self.state_buffers()))
@@ -126,6 +135,9 @@ class LinearQuantizers:
                     mine = {name.partition(".")[2]: b for name, b in buffers.items() if name.partition(".")[0] == role}
                     stack.enter_context(quantizer.using_state(mine))
             yield
+
+
+_COMPARED = tuple(f.name for f in fields(LinearQuantizers) if f.compare)
 
 
 def carries_quantizers(tensor) -> bool:

@@ -31,7 +31,7 @@ def inner_names(weight, values: torch.Tensor) -> list[str]:
     traces, and a history left behind on the CPU would be copied to the GPU at every step.
     `values` is one of the weight's own inner tensors (is it real, and where)."""
     linear = weight.linear_quantizers
-    if linear is None:
+    if linear is None or not linear.records_amaxes:  # stateless quantizers (checked on every compiled call)
         return []
     state = linear.state_buffers()
     if state and not has_bound_state(weight) and not is_fake(values) and values.device.type != "meta":
