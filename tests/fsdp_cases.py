@@ -27,6 +27,7 @@ RECIPES = {
 SCENARIOS = [(recipe, weights, True) for recipe in RECIPES for weights in ("dynamic", "quantized")] + [
     ("mxfp8", "dynamic", False),
     ("hybrid", "quantized", False),
+    ("float8_current", "dynamic", False),  # gathered in place, the transpose rebuilt by every gather
 ]
 STEPS = 3
 # QTENSOR_TEST_DEVICE=cuda: NCCL with one GPU per rank (the device machine), the reference on the GPU too.
