@@ -15,7 +15,7 @@ from .layers.dynamic_weight import DynamicWeight
 from .layers.config import LayerRunning, LinearQuantizers, carries_quantizers
 from .recipes import Recipe
 from .core.tensor import QuantizedTensor
-from .distributed import tensor_parallel
+from .distributed import tensor_parallel  # noqa: F401 (installs the hook that gives tensor-parallel layers their forward hooks)
 from .layers.weight import quantized_weight
 
 WEIGHT_MODES = ("dynamic", "quantized")
@@ -335,11 +335,9 @@ def _install(site: LinearSite, linear: LinearQuantizers, weights: str) -> None:
             module.register_state_dict_post_hook(_save_layer_state),
             module.register_load_state_dict_pre_hook(_load_running_state),
         ]
-    # Tensor parallelism's forward hooks go only on modules whose weight is a DTensor: here where the
-    # model was parallelized first, else when parallelize_module registers one (tensor_parallel.py).
-    # Other modules carry no hook, which keeps their forwards' compiled graphs one for all layers.
-    if tensor_parallel.is_distributed(module._parameters.get(site.attribute)):
-        tensor_parallel.install(module)
+    # Tensor parallelism's forward hooks go only on modules whose weight is a DTensor, installed when
+    # parallelize_module registers one (tensor_parallel.py). Other modules carry no hook, which keeps
+    # their forwards' compiled graphs one for all layers.
 
 
 def _state_prefix(attribute: str) -> str:
