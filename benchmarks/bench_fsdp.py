@@ -21,6 +21,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -127,6 +128,10 @@ def measure(system: str, args, device: torch.device, mesh) -> dict:
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     del model, optimizer
+    # FSDP2's state and the modules reference each other, and compiled graphs hold their inputs:
+    # without collecting both, the next system's peak would include this one's memory.
+    gc.collect()
+    torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
