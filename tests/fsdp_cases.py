@@ -114,6 +114,15 @@ COMPILED_CASES = [
 COMPILE_BACKEND = os.environ.get("FSDP_COMPILE_BACKEND") or ("inductor" if os.environ.get("QTENSOR_TEST_DEVICE", "cpu") == "cuda" else "aot_eager")
 
 
+def checkpointed(model: nn.Module) -> nn.Module:
+    """`model` with each block's forward under activation checkpointing (recomputed in the backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.layers:
+        block.forward = lambda x, forward=block.forward: checkpoint(forward, x, use_reentrant=False)
+    return model
+
+
 def train_reading_cached_casts(model: nn.Module) -> dict:
     """The losses of AdamW steps on `batches()`, and after each backward (before the optimizer
     step) the parameters whose FSDP2 shard still holds its cast (`DynamicWeight.shard_cast`)."""
@@ -413,6 +422,19 @@ def run_distributed(out_path: str) -> None:
         for block in model.layers:
             block.compile(backend=COMPILE_BACKEND)
         results[("amax_reductions", "float8_current", "compiled")] = train_counting_amax_reductions(sharded(model, mesh))
+    # Activation checkpointing inside each sharded block (torchtitan's order): the forward runs
+    # again inside the backward, after FSDP2's re-gather.
+    for recipe, reshard in (("float8_current", True), ("mxfp8", False), ("mxfp8", True)):
+        if only and only != "checkpointed":
+            break
+        model = checkpointed(build(recipe, "dynamic"))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
+        try:
+            results[("checkpointed", recipe, reshard)] = {"losses": train_losses(model, "dynamic")}
+        except RuntimeError as error:  # every rank refuses at the same recomputed forward
+            results[("checkpointed", recipe, reshard)] = {"error": str(error)}
     # torchtitan's order for models too large for one device: meta, quantize_, fully_shard, to_empty, init.
     for recipe, weights in (("float8_current", "quantized"), ("hybrid", "dynamic")):
         if only and only != "meta":

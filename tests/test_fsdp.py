@@ -333,6 +333,25 @@ def test_trained_weights_release_their_shard_casts_after_the_backward_and_frozen
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("recipe, reshard", [("float8_current", True), ("mxfp8", False)])
+def test_checkpointed_blocks_train_like_one_process(distributed, recipe, reshard):
+    """Activation checkpointing recomputes each block's forward inside the backward. Float8's
+    re-gather brings the codes the forward reads (the transpose is rebuilt from them); MXFP8's
+    forward gather brings both copies when no re-gather follows."""
+    result = distributed[("checkpointed", recipe, reshard)]
+    assert "error" not in result, result["error"]
+    single = fsdp_cases.train_losses(fsdp_cases.checkpointed(fsdp_cases.build(recipe, "dynamic")), "dynamic")
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-6, atol=0)
+
+
+def test_a_forward_recomputed_after_a_regather_of_the_backward_copy_only_is_refused(distributed):
+    """MXFP8 re-gathers only the columnwise copy before the backward: a checkpointed block's
+    recomputed forward would read rowwise codes that gather did not bring. It raises, naming the
+    layer and what to do, instead of training on them."""
+    error = distributed[("checkpointed", "mxfp8", True)]["error"]
+    assert "layers.1." in error and "activation checkpointing" in error and "reshard_after_forward=False" in error
+
+
 def test_amaxes_are_batched_under_a_mixed_precision_policy_and_with_compiled_blocks(distributed):
     """bf16 gathers: the batch takes the amaxes of the bf16 values each cast reads (else every cast
     would find them stale and reduce again). Compiled blocks: FSDP2's hooks run outside the graphs."""

@@ -67,8 +67,8 @@ class GatherPlan:
     shard_rows: int  # rows of the padded shard's 2-D view
     packed: bool  # uneven shards: the input has the padded shard's shape
     world_size: int
-    # Each rank sends exactly one buffer, unpadded (Float8's data, its scale tensor-wide): the
-    # gathered bytes are the unsharded buffer, used in place (no copy in or out).
+    # Each sent buffer is an all-gather input of its own and arrives as the unsharded buffer, used
+    # in place (no copy in or out): even shards whose buffers join end to end (`_in_place_sizes`).
     in_place: bool = False
 
 
@@ -152,12 +152,13 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
     # Every gather of this parameter sends the same number of bytes: the most any phase sends.
     capacity = max(_payload_bytes(tensor, _split_rebuilt(tensor, phase)[1], shard_rows) for phase in phases)
     packed = outer_size[0] % world_size != 0
-    if not packed and len(pieces) == 1 and pieces[0].nbytes == capacity and pieces[0].is_contiguous():
-        # The one buffer is the payload: FSDP2 copies it into its all-gather buffer, and what arrives
-        # is the unsharded buffer (post_all_gather uses it in place).
-        payload = pieces[0].reshape(-1).view(torch.uint8)
-        count_gather((payload,), mesh, outer_size)
-        return (payload,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size, in_place=True)
+    sizes = None if packed else _in_place_sizes(tensor, phases, shard_rows)
+    if sizes == [b.nbytes for b in pieces] and all(b.is_contiguous() for b in pieces):
+        # Each buffer is an all-gather input of its own: FSDP2 copies it into its all-gather buffer,
+        # and what arrives for it is the unsharded buffer (post_all_gather uses it in place).
+        inputs = tuple(b.reshape(-1).view(torch.uint8) for b in pieces)
+        count_gather(inputs, mesh, outer_size)
+        return inputs, GatherPlan(sent, rebuilt, shard_rows, packed, world_size, in_place=True)
     if packed:  # uneven shards: FSDP2 wants the input in the padded shard's shape
         padded_shape = (ceil_div(outer_size[0], world_size), *outer_size[1:])
         dtype = next(d for d in _PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
@@ -178,10 +179,10 @@ def post_all_gather(
 ):
     """The unsharded tensor (first call: `(tensor, inner_tensors)`), or `out` updated in place."""
     total_rows = outer_size[0] * _rows_per_index(outer_size)
+    if plan.in_place:
+        return _post_all_gather_in_place(local, outputs, plan, total_rows, outer_size, dtype, out)
     (output,) = outputs
     raw = output.reshape(-1).view(torch.uint8)
-    if plan.in_place:
-        return _post_all_gather_in_place(local, raw, plan, total_rows, outer_size, dtype, out)
     per_rank = raw.numel() // plan.world_size
     templates = {d: local.storage_for(d) for d in plan.directions}
     pieces: dict[str, list[Storage]] = {d: [] for d in plan.directions}
@@ -223,36 +224,42 @@ def post_all_gather(
     return unsharded, tuple(buffers.values())
 
 
-def _post_all_gather_in_place(local: QuantizedTensor, raw: torch.Tensor, plan: GatherPlan, total_rows: int,
+def _post_all_gather_in_place(local: QuantizedTensor, outputs, plan: GatherPlan, total_rows: int,
                               outer_size: torch.Size, dtype: torch.dtype, out=None):
-    """`post_all_gather` where the gathered bytes are the unsharded buffer of the one direction sent
-    (`GatherPlan.in_place`): that buffer is a view of FSDP2's all-gather output, which FSDP2 frees
+    """`post_all_gather` where each gathered output is one unsharded buffer of a direction sent
+    (`GatherPlan.in_place`): the buffers are views of FSDP2's all-gather outputs, which FSDP2 frees
     after the layer's GEMMs and fills again, in the same storage, at the next gather. Only the
-    tensor-wide buffers (the scale) and a direction rebuilt from the sent one (Float8's transpose)
-    are written."""
-    (direction,) = plan.directions
-    gathered, _ = unpacked_rows(raw, local.storage_for(direction), total_rows)
+    tensor-wide buffers (the scale), the buffers of a direction the first gather did not bring, and
+    a direction rebuilt from the sent one (Float8's transpose) are written."""
+    arrived = iter(output.reshape(-1).view(torch.uint8) for output in outputs)
+    gathered = {}
+    for direction in plan.directions:
+        template = local.storage_for(direction)
+        buffers = {
+            spec.name: getattr(template, spec.name) if spec.tensor_wide else next(arrived).view(spec.dtype).reshape(spec.shape)
+            for spec in template.layout(template.direction, total_rows, template.cols, **template.options)
+        }
+        gathered[direction] = template.rebuilt(buffers, rows=total_rows)
     if out is not None:
         out = getattr(out, "_local_tensor", out)  # a DTensor over tensor parallelism
-        mine = getattr(out, direction)
-        for name, buffer in gathered.buffers.items():
-            target = mine.buffers[name]
-            if target.data_ptr() != buffer.data_ptr():  # the view the first call made is already it
-                with torch.autograd._unsafe_preserve_version_counter(target):
-                    target.copy_(buffer)
+        for direction, storage in gathered.items():
+            mine = getattr(out, direction).buffers
+            for name, buffer in storage.buffers.items():
+                if mine[name].data_ptr() != buffer.data_ptr():  # not the view the first call made
+                    with torch.autograd._unsafe_preserve_version_counter(mine[name]):
+                        mine[name].copy_(buffer)
         for rebuilt in plan.rebuilt:
-            target = getattr(out, rebuilt)
-            if target is not mine:
-                mine.write_direction_into(target)
+            if getattr(out, rebuilt) is not out.rowwise:
+                out.rowwise.write_direction_into(getattr(out, rebuilt))
         return None
     copies: dict[int, torch.Tensor] = {}
-    storages = {direction: gathered}
+    storages = dict(gathered)
     for other in DIRECTIONS:
         present = getattr(local, other)
-        if other == direction or present is None:
+        if other in storages or present is None:
             continue
         if other in plan.rebuilt:
-            storages[other] = gathered if local.columnwise is local.rowwise else gathered.to_direction(other)
+            storages[other] = gathered["rowwise"] if local.columnwise is local.rowwise else gathered["rowwise"].to_direction(other)
         else:
             storages[other] = _empty_like_rows(present, total_rows, copies)
     for storage in storages.values():  # the unsharded tensor owns its tensor-wide buffers (as below)
@@ -262,10 +269,10 @@ def _post_all_gather_in_place(local: QuantizedTensor, raw: torch.Tensor, plan: G
                 setattr(storage, spec.name, copies.setdefault(id(buffer), buffer.clone()))
     unsharded = local.with_storages(storages.get("rowwise"), storages.get("columnwise"),
                                     shape=torch.Size(outer_size), dtype=dtype)
-    # FSDP2 frees and refills its own output: the gathered buffer is left out of the inner tensors
+    # FSDP2 frees and refills its own outputs: the gathered buffers are left out of the inner tensors
     # it frees (freeing a view would shrink that storage to the view's size).
-    sent = {id(buffer) for buffer in gathered.buffers.values() if buffer.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()}
-    inner = tuple(b for b in unsharded.buffer_dict(quantizer_state=False).values() if id(b) not in sent)
+    sent = {output.untyped_storage().data_ptr() for output in outputs}
+    inner = tuple(b for b in unsharded.buffer_dict(quantizer_state=False).values() if b.untyped_storage().data_ptr() not in sent)
     return unsharded, inner
 
 
@@ -282,11 +289,13 @@ def full_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
         return _assembled(value, local, name)
     mesh, outer_size = value.device_mesh, value.shape
     directions = tuple(d for d in DIRECTIONS if getattr(local, d) is not None)
-    (payload,), plan = pre_all_gather(local, mesh, outer_size, (directions, (directions,)), name)
-    payload = payload.reshape(-1).view(torch.uint8)
-    output = payload.new_empty(payload.numel() * mesh.size())
-    dist.all_gather_into_tensor(output, payload, group=mesh.get_group())
-    whole, _ = post_all_gather(local, (output,), plan, outer_size, local.dtype)
+    inputs, plan = pre_all_gather(local, mesh, outer_size, (directions, (directions,)), name)
+    outputs = []
+    for payload in inputs:  # one payload, or one per buffer where they arrive as the whole buffers
+        payload = payload.reshape(-1).view(torch.uint8)
+        outputs.append(payload.new_empty(payload.numel() * mesh.size()))
+        dist.all_gather_into_tensor(outputs[-1], payload, group=mesh.get_group())
+    whole, _ = post_all_gather(local, tuple(outputs), plan, outer_size, local.dtype)
     return whole
 
 
@@ -328,6 +337,31 @@ def _assembled(value, local: QuantizedTensor, name: str) -> QuantizedTensor:
 # ---- helpers -------------------------------------------------------------------------------------
 def _rows_per_index(shape) -> int:
     return rows_per_index(shape) if len(shape) > 1 else 1
+
+
+def _in_place_sizes(tensor: QuantizedTensor, phases, shard_rows: int) -> list[int] | None:
+    """The bytes of each buffer a gather of `tensor` sends, where every phase sends the same
+    directions (FSDP2 sizes its outputs once, and a buffer used in place holds what every gather
+    brings: a forward recomputed inside the backward, under activation checkpointing, reads the
+    forward's direction) and their shards join end to end into the unsharded buffers (each follows
+    the rows along its first axis, unpadded); else None."""
+    if len({_split_rebuilt(tensor, phase)[1] for phase in phases}) != 1:
+        return None
+    sizes = None
+    for phase in phases:
+        found = []
+        for direction in _split_rebuilt(tensor, phase)[1]:
+            storage = tensor.storage_for(direction)
+            for spec in storage.layout(storage.direction, shard_rows, storage.cols, **storage.options):
+                if spec.tensor_wide:
+                    continue
+                if spec.row_axis != 0 or spec.rows_padded_to > 1:
+                    return None
+                found.append(math.prod(spec.shape) * spec.dtype.itemsize)
+        if sizes is not None and found != sizes:
+            return None
+        sizes = found
+    return sizes
 
 
 def _payload_bytes(tensor: QuantizedTensor, sent, shard_rows: int) -> int:

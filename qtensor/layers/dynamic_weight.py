@@ -17,7 +17,7 @@ from .config import LinearQuantizers
 from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
 from ..core.quantizer import autocast_off, fold_to_2d
 from ..core.tensor import QuantizedTensor, split_rebuilt
-from .weight import GatheredCast, LayerWeight, quantized_weight
+from .weight import LayerWeight, note_gathered, quantized_weight
 
 
 @dataclass(frozen=True)
@@ -228,8 +228,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         # The gathered weight carries its shard's cast notes: the first training step that uses
         # this version of the values records its amax (linear.py), an evaluation forward does not.
         target = getattr(out, "_local_tensor", out) if out is not None else result[0]
-        if target.gathered_cast is None:
-            target.gathered_cast = GatheredCast()
+        note_gathered(target, plan)
         cast = target.gathered_cast
         cast.notes, cast.version = quantized.shard_notes
         return result

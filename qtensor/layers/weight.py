@@ -99,6 +99,14 @@ class QuantizedWeight(LayerWeight):
             )
         # A weight FSDP2 gathered from a dynamic weight's shard carries the notes of that shard's cast.
         cast = self.gathered_cast
+        if cast is not None and cast.directions is not None and "rowwise" not in cast.directions and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"{self.linear_quantizers.name or 'A quantized layer'}: its forward runs inside the backward (activation "
+                f"checkpointing recomputes it), where FSDP2's re-gather brought only the weight's {' and '.join(cast.directions)} "
+                "copy, which the backward's GEMMs read, not the forward's rowwise one. Shard the checkpointed blocks with "
+                "reshard_after_forward=False, or use a recipe whose backward reads the forward's copy (Float8 per-tensor "
+                "scaling, or backward_override)."
+            )
         return (self, cast.notes, cast.version) if cast is not None else (self, [], None)
 
     def high_precision_matrix(self) -> torch.Tensor:
@@ -168,7 +176,9 @@ class QuantizedWeight(LayerWeight):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         plan, outer_size, local = metadata
-        return fsdp.post_all_gather(local, all_gather_outputs, plan, outer_size, param_dtype, out=out)
+        result = fsdp.post_all_gather(local, all_gather_outputs, plan, outer_size, param_dtype, out=out)
+        note_gathered(out if out is not None else result[0], plan)
+        return result
 
 
 def _quantizer_path(linear: LinearQuantizers, quantizer) -> str:
@@ -182,15 +192,25 @@ def _quantizer_at(linear: LinearQuantizers, path: str):
     return linear.weight if not path else linear.weight.quantizer_for(path)
 
 
+def note_gathered(target, plan) -> None:
+    """Record on the gathered weight (shared by its aliases) which directions this gather brought."""
+    target = getattr(target, "_local_tensor", target)  # a DTensor over tensor parallelism
+    if target.gathered_cast is None:
+        target.gathered_cast = GatheredCast()
+    target.gathered_cast.directions = plan.directions + plan.rebuilt
+
+
 class GatheredCast:
     """Where a weight FSDP2 gathered from a dynamic weight's shard came from: the amax notes of the
     shard's cast and the version of the values it was cast from. One object shared by the gathered
     tensor and its aliases, updated in place by each gather."""
 
-    __slots__ = ("notes", "version")
+    __slots__ = ("notes", "version", "directions")
 
     def __init__(self):
         self.notes, self.version = [], None
+        # The directions the last gather brought (sent or rebuilt); None: not gathered by FSDP2.
+        self.directions = None
 
 
 def _copy_into_weight(func, args, kwargs):
