@@ -259,7 +259,8 @@ def _post_all_gather_in_place(local: QuantizedTensor, outputs, plan: GatherPlan,
         if other in storages or present is None:
             continue
         if other in plan.rebuilt:
-            storages[other] = gathered["rowwise"] if local.columnwise is local.rowwise else gathered["rowwise"].to_direction(other)
+            shared = local.columnwise is local.rowwise
+            storages[other] = gathered["rowwise"] if shared else gathered["rowwise"].to_direction(other)
         else:
             storages[other] = _empty_like_rows(present, total_rows, copies)
     for storage in storages.values():  # the unsharded tensor owns its tensor-wide buffers (as below)

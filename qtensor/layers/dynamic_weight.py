@@ -181,7 +181,8 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def __deepcopy__(self, memo):
         duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
         # The copy starts with its own write log and no cached quantized copies.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_data", "_writes", "shard_cast", "reduced_amaxes", "rowwise_cast_suffices")}
+        left_out = ("_data", "_writes", "shard_cast", "reduced_amaxes", "rowwise_cast_suffices")
+        state = {k: v for k, v in self.__dict__.items() if k not in left_out}
         duplicate.__dict__.update(copy.deepcopy(state, memo))
         return duplicate
 
@@ -234,9 +235,9 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         return result
 
     def _quantized_shard(self, param_dtype: torch.dtype | None, sharding) -> QuantizedTensor:
-        """The local shard quantized in the directions gathers send, once per version of the weight and of its
-        quantizer's running state (the pre-backward re-gather reuses the forward's cast, as a single
-        process quantizes once), with tensor-wide amaxes reduced over the groups its pieces are spread
+        """The local shard quantized in the directions gathers send, once per version of the weight
+        and of its quantizer's running state (the pre-backward re-gather reuses the forward's cast,
+        as a single process quantizes once), with tensor-wide amaxes reduced over the groups its pieces are spread
         over (`sharding.shard_groups`, an `fsdp_state.FsdpLayer`) so that every shard
         shares one scale: reduced before, for every stale dynamic weight of the model in one
         collective (`_batched_amaxes`), or by the cast itself. Its amax notes travel with it, not
@@ -259,7 +260,8 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         if columnwise and split_rebuilt(quantized, ("columnwise",))[0] == ("columnwise",):
             self.rowwise_cast_suffices = quantizer
         quantized.shard_notes = (notes, (id(self._writes), key[0]))
-        self.shard_cast = ShardCast(key, quantized, ReducedAmaxes(key, sharding.shard_groups, amaxes) if amaxes is not None else None)
+        reduced = ReducedAmaxes(key, sharding.shard_groups, amaxes) if amaxes is not None else None
+        self.shard_cast = ShardCast(key, quantized, reduced)
         return quantized
 
     def _shard_key(self, dtype: torch.dtype) -> tuple:

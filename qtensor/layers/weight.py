@@ -99,10 +99,11 @@ class QuantizedWeight(LayerWeight):
             )
         # A weight FSDP2 gathered from a dynamic weight's shard carries the notes of that shard's cast.
         cast = self.gathered_cast
-        if cast is not None and cast.directions is not None and "rowwise" not in cast.directions and not torch.compiler.is_compiling():
+        gathered = cast.directions if cast is not None else None
+        if gathered is not None and "rowwise" not in gathered and not torch.compiler.is_compiling():
             raise RuntimeError(
                 f"{self.linear_quantizers.name or 'A quantized layer'}: its forward runs inside the backward (activation "
-                f"checkpointing recomputes it), where FSDP2's re-gather brought only the weight's {' and '.join(cast.directions)} "
+                f"checkpointing recomputes it), where FSDP2's re-gather brought only the weight's {' and '.join(gathered)} "
                 "copy, which the backward's GEMMs read, not the forward's rowwise one. Shard the checkpointed blocks with "
                 "reshard_after_forward=False, or use a recipe whose backward reads the forward's copy (Float8 per-tensor "
                 "scaling, or backward_override)."
