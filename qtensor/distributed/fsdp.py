@@ -149,8 +149,6 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
     if world_size > 1:  # one rank's shard is the whole tensor: no edge to cut a block
         check_block_boundaries(tensor, {d for phase in phases for d in _split_rebuilt(tensor, phase)[1]}, shard_rows, name)
     pieces = [b for d in sent for b in _row_buffers(tensor.storage_for(d).zero_padded(shard_rows))]
-    # Every gather of this parameter sends the same number of bytes: the most any phase sends.
-    capacity = max(_payload_bytes(tensor, _split_rebuilt(tensor, phase)[1], shard_rows) for phase in phases)
     packed = outer_size[0] % world_size != 0
     sizes = None if packed else _in_place_sizes(tensor, phases, shard_rows)
     if sizes == [b.nbytes for b in pieces] and all(b.is_contiguous() for b in pieces):
@@ -159,6 +157,8 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
         inputs = tuple(b.reshape(-1).view(torch.uint8) for b in pieces)
         count_gather(inputs, mesh, outer_size)
         return inputs, GatherPlan(sent, rebuilt, shard_rows, packed, world_size, in_place=True)
+    # Every gather of this parameter sends the same number of bytes: the most any phase sends.
+    capacity = max(_payload_bytes(tensor, _split_rebuilt(tensor, phase)[1], shard_rows) for phase in phases)
     if packed:  # uneven shards: FSDP2 wants the input in the padded shard's shape
         padded_shape = (ceil_div(outer_size[0], world_size), *outer_size[1:])
         dtype = next(d for d in _PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
@@ -179,28 +179,18 @@ def post_all_gather(
 ):
     """The unsharded tensor (first call: `(tensor, inner_tensors)`), or `out` updated in place."""
     total_rows = outer_size[0] * _rows_per_index(outer_size)
-    if plan.in_place:
-        return _post_all_gather_in_place(local, outputs, plan, total_rows, outer_size, dtype, out)
-    (output,) = outputs
-    raw = output.reshape(-1).view(torch.uint8)
-    per_rank = raw.numel() // plan.world_size
-    templates = {d: local.storage_for(d) for d in plan.directions}
-    pieces: dict[str, list[Storage]] = {d: [] for d in plan.directions}
-    for rank in range(plan.world_size):
-        rows = max(0, min(plan.shard_rows, total_rows - rank * plan.shard_rows))
-        offset = rank * per_rank
-        for direction, template in templates.items():
-            piece, offset = unpacked_rows(raw, template, plan.shard_rows, offset)
-            if rows:
-                pieces[direction].append(piece.slice_rows(0, rows))
-    gathered = {d: type(templates[d]).cat_rows(pieces[d]) for d in plan.directions}
+    gathered = (_arrived_in_place if plan.in_place else _unpacked)(local, outputs, plan, total_rows)
+    if out is not None:
+        # Over a tensor-parallel DTensor, FSDP2's unsharded parameter is a DTensor of the gathered tensor.
+        out = getattr(out, "_local_tensor", out)
+        _write_into(out, gathered)
+        for direction in plan.rebuilt:  # made from the rowwise copy just written, in one pass
+            if getattr(out, direction) is not out.rowwise:
+                out.rowwise.write_direction_into(getattr(out, direction))
+        return None
     for direction in plan.rebuilt:
         shared = local.columnwise is local.rowwise
         gathered[direction] = gathered["rowwise"] if shared else gathered["rowwise"].to_direction(direction)
-    if out is not None:
-        # Over a tensor-parallel DTensor, FSDP2's unsharded parameter is a DTensor of the gathered tensor.
-        _write_into(getattr(out, "_local_tensor", out), gathered)
-        return None
     # The unsharded tensor owns all its buffers: FSDP2 frees them between uses, and the tensor-wide
     # ones must not be the local shard's (one copy, shared by both directions as in the shard).
     copies: dict[int, torch.Tensor] = {}
@@ -220,17 +210,35 @@ def post_all_gather(
         else:
             storages[direction] = None
     unsharded = local.with_storages(storages["rowwise"], storages["columnwise"], shape=torch.Size(outer_size), dtype=dtype)
-    buffers = unsharded.buffer_dict(quantizer_state=False)
-    return unsharded, tuple(buffers.values())
+    # FSDP2 frees and refills its own outputs: a buffer that is a view of one (a gather used in
+    # place) is left out of the inner tensors it frees (freeing a view would shrink that storage).
+    arrived = {output.untyped_storage().data_ptr() for output in outputs}
+    buffers = unsharded.buffer_dict(quantizer_state=False).values()
+    return unsharded, tuple(b for b in buffers if b.untyped_storage().data_ptr() not in arrived)
 
 
-def _post_all_gather_in_place(local: QuantizedTensor, outputs, plan: GatherPlan, total_rows: int,
-                              outer_size: torch.Size, dtype: torch.dtype, out=None):
-    """`post_all_gather` where each gathered output is one unsharded buffer of a direction sent
-    (`GatherPlan.in_place`): the buffers are views of FSDP2's all-gather outputs, which FSDP2 frees
-    after the layer's GEMMs and fills again, in the same storage, at the next gather. Only the
-    tensor-wide buffers (the scale), the buffers of a direction the first gather did not bring, and
-    a direction rebuilt from the sent one (Float8's transpose) are written."""
+def _unpacked(local: QuantizedTensor, outputs, plan: GatherPlan, total_rows: int) -> dict[str, Storage]:
+    """Each sent direction's unsharded storage from the one packed output: every rank's piece cut
+    back to its real rows, the pieces joined."""
+    (output,) = outputs
+    raw = output.reshape(-1).view(torch.uint8)
+    per_rank = raw.numel() // plan.world_size
+    templates = {d: local.storage_for(d) for d in plan.directions}
+    pieces: dict[str, list[Storage]] = {d: [] for d in plan.directions}
+    for rank in range(plan.world_size):
+        rows = max(0, min(plan.shard_rows, total_rows - rank * plan.shard_rows))
+        offset = rank * per_rank
+        for direction, template in templates.items():
+            piece, offset = unpacked_rows(raw, template, plan.shard_rows, offset)
+            if rows:
+                pieces[direction].append(piece.slice_rows(0, rows))
+    return {d: type(templates[d]).cat_rows(pieces[d]) for d in plan.directions}
+
+
+def _arrived_in_place(local: QuantizedTensor, outputs, plan: GatherPlan, total_rows: int) -> dict[str, Storage]:
+    """Each sent direction's unsharded storage over the outputs as they arrived (`GatherPlan.in_place`:
+    one output per buffer, each the whole buffer): views of FSDP2's all-gather outputs, which FSDP2
+    frees after the layer's GEMMs and fills again, in the same storage, at the next gather."""
     arrived = iter(output.reshape(-1).view(torch.uint8) for output in outputs)
     gathered = {}
     for direction in plan.directions:
@@ -240,41 +248,7 @@ def _post_all_gather_in_place(local: QuantizedTensor, outputs, plan: GatherPlan,
             for spec in template.layout(template.direction, total_rows, template.cols, **template.options)
         }
         gathered[direction] = template.rebuilt(buffers, rows=total_rows)
-    if out is not None:
-        out = getattr(out, "_local_tensor", out)  # a DTensor over tensor parallelism
-        for direction, storage in gathered.items():
-            mine = getattr(out, direction).buffers
-            for name, buffer in storage.buffers.items():
-                if mine[name].data_ptr() != buffer.data_ptr():  # not the view the first call made
-                    with torch.autograd._unsafe_preserve_version_counter(mine[name]):
-                        mine[name].copy_(buffer)
-        for rebuilt in plan.rebuilt:
-            if getattr(out, rebuilt) is not out.rowwise:
-                out.rowwise.write_direction_into(getattr(out, rebuilt))
-        return None
-    copies: dict[int, torch.Tensor] = {}
-    storages = dict(gathered)
-    for other in DIRECTIONS:
-        present = getattr(local, other)
-        if other in storages or present is None:
-            continue
-        if other in plan.rebuilt:
-            shared = local.columnwise is local.rowwise
-            storages[other] = gathered["rowwise"] if shared else gathered["rowwise"].to_direction(other)
-        else:
-            storages[other] = _empty_like_rows(present, total_rows, copies)
-    for storage in storages.values():  # the unsharded tensor owns its tensor-wide buffers (as below)
-        for spec in storage.buffer_specs():
-            if spec.tensor_wide:
-                buffer = getattr(storage, spec.name)
-                setattr(storage, spec.name, copies.setdefault(id(buffer), buffer.clone()))
-    unsharded = local.with_storages(storages.get("rowwise"), storages.get("columnwise"),
-                                    shape=torch.Size(outer_size), dtype=dtype)
-    # FSDP2 frees and refills its own outputs: the gathered buffers are left out of the inner tensors
-    # it frees (freeing a view would shrink that storage to the view's size).
-    sent = {output.untyped_storage().data_ptr() for output in outputs}
-    inner = tuple(b for b in unsharded.buffer_dict(quantizer_state=False).values() if b.untyped_storage().data_ptr() not in sent)
-    return unsharded, inner
+    return gathered
 
 
 def full_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
@@ -346,22 +320,18 @@ def _in_place_sizes(tensor: QuantizedTensor, phases, shard_rows: int) -> list[in
     brings: a forward recomputed inside the backward, under activation checkpointing, reads the
     forward's direction) and their shards join end to end into the unsharded buffers (each follows
     the rows along its first axis, unpadded); else None."""
-    if len({_split_rebuilt(tensor, phase)[1] for phase in phases}) != 1:
+    sent = {_split_rebuilt(tensor, phase)[1] for phase in phases}
+    if len(sent) != 1:
         return None
-    sizes = None
-    for phase in phases:
-        found = []
-        for direction in _split_rebuilt(tensor, phase)[1]:
-            storage = tensor.storage_for(direction)
-            for spec in storage.layout(storage.direction, shard_rows, storage.cols, **storage.options):
-                if spec.tensor_wide:
-                    continue
-                if spec.row_axis != 0 or spec.rows_padded_to > 1:
-                    return None
-                found.append(math.prod(spec.shape) * spec.dtype.itemsize)
-        if sizes is not None and found != sizes:
-            return None
-        sizes = found
+    sizes = []
+    for direction in sent.pop():
+        storage = tensor.storage_for(direction)
+        for spec in storage.layout(storage.direction, shard_rows, storage.cols, **storage.options):
+            if spec.tensor_wide:
+                continue
+            if spec.row_axis != 0 or spec.rows_padded_to > 1:
+                return None
+            sizes.append(math.prod(spec.shape) * spec.dtype.itemsize)
     return sizes
 
 
@@ -395,7 +365,8 @@ def _write_into(out: QuantizedTensor, gathered: dict[str, Storage]) -> None:
     for direction, storage in gathered.items():
         mine = getattr(out, direction)
         for name, target in mine.buffers.items():
-            if id(target) not in done:
+            # (A buffer used in place is already the view of the output the first gather made.)
+            if id(target) not in done and target.data_ptr() != storage.buffers[name].data_ptr():
                 done.add(id(target))
                 # The same values gathered again: autograd's saved copies of these buffers (compiled
                 # graphs save them) stay valid, as FSDP2 keeps them for its own unsharded tensors.
