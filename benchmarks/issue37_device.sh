@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The layout-by-layer change (issue 37) on a 2-GPU machine; logs go to $OUT.
+# Checks on a 2-GPU machine (issues 37 and 38); logs go to $OUT.
 #   benchmarks/issue37_device.sh cuda        the CUDA tests (`pytest -m cuda tests`) in four shards, two per GPU
-#   benchmarks/issue37_device.sh nccl        the NCCL tests: FSDP2 and tensor parallelism on 2 GPUs
+#   benchmarks/issue37_device.sh nccl [EXPR] the NCCL tests: FSDP2 and tensor parallelism on 2 GPUs (pytest -k EXPR)
+#   benchmarks/issue37_device.sh fsdp [bench_fsdp.py arguments]
+#                                            torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py, torchao
+#                                            installed from the carried wheel in .whl/ when it is there
 #   benchmarks/issue37_device.sh bench BASE  before_after.sh against BASE (an export of the commit before
 #                                            the change): one layer, then the block stack; profile_host.py over both
 set -uo pipefail
@@ -10,7 +13,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/qtensor-device}
 mkdir -p "$OUT"
 LIMIT=${LIMIT:-540}
-case "$1" in
+mode=$1; shift
+case "$mode" in
 cuda)
     nvidia-smi --query-gpu=name --format=csv,noheader | head -1
     bulk="nvfp4_cast_kernel_is_bitwise or mxfp8_cast_kernel_is_bitwise or float8_cast_kernel_is_bitwise"
@@ -27,12 +31,20 @@ cuda)
     grep -hE "^(FAILED|ERROR)" "$OUT"/cuda_*.log | head -20
     ;;
 nccl)
-    QTENSOR_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -q tests/test_fsdp.py tests/test_tensor_parallel.py -p no:cacheprovider >"$OUT/nccl_tests.log" 2>&1
+    QTENSOR_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -q tests/test_fsdp.py tests/test_tensor_parallel.py \
+        -p no:cacheprovider ${1:+-k "$1"} >"$OUT/nccl_tests.log" 2>&1
     echo "nccl rc=$?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/nccl_tests.log" | tail -12
     ;;
+fsdp)
+    if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --target /tmp/tao .whl/torchao-*.whl >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/tao
+    fi
+    timeout "$LIMIT" torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py "$@" 2>&1 \
+        | grep -v "UserWarning\|return func\|^W1\|^\*\*\*\|OMP_NUM" | tee "$OUT/bench_fsdp.log"
+    ;;
 bench)
-    BASE=$(cd "$2" && pwd)
+    BASE=$(cd "$1" && pwd)
     nvidia-smi --query-gpu=name --format=csv,noheader | head -1
     timeout 200 benchmarks/before_after.sh "$BASE" 1 -- --shapes 2 --skip-stack >"$OUT/before_after_layer.log" 2>&1
     timeout 260 benchmarks/before_after.sh "$BASE" 2 -- --skip-linear --blocks 4 --steps 20 >"$OUT/before_after_stack.log" 2>&1

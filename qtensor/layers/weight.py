@@ -202,9 +202,9 @@ def note_gathered(target, plan) -> None:
 
 
 class GatheredCast:
-    """Where a weight FSDP2 gathered from a dynamic weight's shard came from: the amax notes of the
-    shard's cast and the version of the values it was cast from. One object shared by the gathered
-    tensor and its aliases, updated in place by each gather."""
+    """What FSDP2's last gather of a weight brought: the directions (either weight mode), and for a
+    dynamic weight's shard the amax notes of its cast and the version of the values it was cast
+    from. One object shared by the gathered tensor and its aliases, updated in place by each gather."""
 
     __slots__ = ("notes", "version", "directions")
 
