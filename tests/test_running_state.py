@@ -276,3 +276,33 @@ def test_activation_checkpointing_gives_the_gradients_and_histories_of_no_checkp
         for name, grad in theirs["grads"].items():
             assert torch.equal(mine["grads"][name], grad), (step, name)
         assert_same_histories(mine["histories"], theirs["histories"])
+
+
+TRACED_REDUCTION = """
+import os, tempfile
+import torch, torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from qtensor.core import running_state
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0, world_size=1)
+def refused(*args, **kwargs):
+    raise AssertionError("dist.all_reduce was called on a traced tensor")
+dist.all_reduce = refused
+with FakeTensorMode():  # what AOTAutograd's trace of a compiled backward hands it
+    reduced = running_state._all_reduce_max(torch.ones(3), dist.group.WORLD)
+print(type(reduced).__name__, tuple(reduced.shape))
+os._exit(0)
+"""
+
+
+def test_amaxes_reduced_while_a_backward_is_traced_go_through_the_functional_collective():
+    """AOTAutograd traces a compiled backward on fake or functional tensors with
+    torch.compiler.is_compiling() False: the reduction of the step's amaxes must still be the
+    functional collective, named by its group (the in-place one puts a ProcessGroup object in the
+    graph, which inductor's copy of the backward cannot copy on NCCL)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TRACED_REDUCTION], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(3,)" in done.stdout, done.stdout
