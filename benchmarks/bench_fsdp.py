@@ -116,11 +116,14 @@ def measure(system: str, args, device: torch.device, mesh) -> dict:
         synchronize()
         times.append(time.perf_counter() - start)
     gathered = qtensor_fsdp.gather_stats()
-    for wanted, run in ((args.profile, profile), (args.host_profile, host_profile)):
+    for wanted, run in ((args.profile, profile), (args.host_profile, host_profile), (args.memory, memory_at_peak)):
         if system not in wanted:
             continue
         if dist.get_rank() == 0:
-            run(step, synchronize, system)
+            try:
+                run(step, synchronize, system)
+            except Exception as error:  # a diagnostic that failed must not cost the table
+                print(f"--- {run.__name__} of {system} failed: {error!r}", flush=True)
         else:  # the other ranks take the same steps
             for _ in range(2):
                 step()
@@ -158,6 +161,44 @@ def profile(step, synchronize, system: str) -> None:
     print(f"--- {system}: GPU busy {gpu:.1f} ms a step (sum of kernel times)", flush=True)
 
 
+def memory_at_peak(step, synchronize, system: str) -> None:
+    """Two steps with the allocator's history recorded (rank 0): what was live at the peak, by the
+    Python line that allocated it (`where`)."""
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    resident = torch.cuda.memory_allocated()
+    for _ in range(2):
+        step()
+    synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in (e for trace in snapshot["device_traces"] for e in trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], where(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    groups: dict[str, int] = {}
+    for size, place in at_peak.values():
+        groups[place] = groups.get(place, 0) + size
+    print(f"--- memory of {system} (rank 0): {resident / 2**30:.2f} GiB resident before the steps, "
+          f"{peak / 2**30:.2f} GiB more at the peak, of which:")
+    for place, size in sorted(groups.items(), key=lambda item: -item[1])[:18]:
+        print(f"{size / 2**20:>10.1f} MiB  {place}")
+
+
+def where(frames) -> str:
+    """The allocating line: the innermost frame in qtensor, else in FSDP2 or the benchmarks, else the
+    innermost one."""
+    for places in (("/qtensor/",), ("/distributed/fsdp/", "/benchmarks/")):
+        for frame in frames:
+            if any(place in frame["filename"] for place in places):
+                return f"{frame['filename'].split('/')[-1]}:{frame['line']} {frame['name']}"
+    return f"{frames[0]['filename'].split('/')[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "? (no Python frame: autograd's engine)"
+
+
 def host_profile(step, synchronize, system: str) -> None:
     """Two steps under cProfile (rank 0): where the host's Python time goes."""
     import cProfile
@@ -187,9 +228,11 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled systems")
     parser.add_argument("--profile", default="", help="comma-separated systems to profile for two more steps (rank 0 prints)")
     parser.add_argument("--host-profile", default="", help="comma-separated systems to run two more steps of under cProfile")
+    parser.add_argument("--memory", default="", help="comma-separated systems whose peak memory is broken down by allocating line")
     args = parser.parse_args()
     args.profile = [name for name in args.profile.split(",") if name]
     args.host_profile = [name for name in args.host_profile.split(",") if name]
+    args.memory = [name for name in args.memory.split(",") if name]
     if "RANK" not in os.environ:
         parser.error("run under torchrun: torchrun --nproc-per-node N benchmarks/bench_fsdp.py")
     cuda = torch.cuda.is_available()

@@ -228,6 +228,45 @@ def test_the_readme_fsdp_example_runs_under_torchrun(tmp_path):
     assert all(n["all_gathers"] > 0 and 0 < n["bytes"] < n["bf16_bytes"] for n in stats)
 
 
+_FREED_SCRIPT = """
+import gc, os, sys, weakref
+import torch, torch.distributed as dist, torch.nn as nn
+import qtensor
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+qtensor.quantize_(model, getattr(qtensor.recipes, sys.argv[1])(), weights=sys.argv[2])
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters())
+if sys.argv[2] == "quantized":
+    optimizer = qtensor.optim.MasterWeights(optimizer)
+for _ in range(2):
+    model(torch.randn(8, 64)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+parameters = [weakref.ref(p) for p in model.parameters()]
+del model, optimizer
+gc.collect()
+print("alive", sum(p() is not None for p in parameters), "of", len(parameters))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("recipe, weights", [("float8_current", "dynamic"), ("mxfp8", "quantized")])
+def test_a_deleted_sharded_model_frees_its_parameters(recipe, weights):
+    """A quantized layer notes FSDP2's parameter group holding its weight; a strong reference back
+    from the weight's quantizers would close a cycle through autograd's references between a
+    parameter and its shard, which the garbage collector cannot see: a deleted model (the previous
+    run of a benchmark or a sweep) would keep every parameter. One gloo rank, FSDP2 on the root (a
+    model sharded per block is kept alive by FSDP2 itself on the CPU builds of torch 2.11 and 2.13,
+    with or without qtensor)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(workers.free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _FREED_SCRIPT, recipe, weights], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "alive 0 of 4" in done.stdout, done.stdout
+
+
 @pytest.mark.parametrize("recipe, weights", fsdp_cases.DCP_CASES)
 def test_distributed_checkpoint_round_trips_and_reshards_between_one_and_two_ranks(distributed, recipe, weights):
     import torch.distributed.checkpoint as dcp

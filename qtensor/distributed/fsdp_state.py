@@ -24,6 +24,7 @@ different, and each caller takes the fallback then.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +41,29 @@ class FsdpLayer:
       casts reduce their tensor-wide amaxes;
     - `param_group`: FSDP2's parameter group holding the weight, and `model_groups` every parameter
       group of the model it belongs to (the tree under one `fully_shard` root, in the same order on
-      every rank); None and () where FSDP2's state could not be read."""
+      every rank); None and () where FSDP2's state could not be read.
+
+    The parameter groups are held by weak reference: FSDP2's state holds the parameters, whose
+    quantizers hold this, and a strong reference back would make a cycle that runs through
+    autograd's references between a parameter and its shards, which the garbage collector cannot
+    see, so a deleted model would keep its parameters."""
 
     mesh_group: object
     shard_groups: tuple
-    param_group: object | None
-    model_groups: tuple = ()
+    _param_group: weakref.ref | None
+    _model_groups: tuple = ()
+
+    @classmethod
+    def of(cls, mesh_group, shard_groups: tuple, param_group, model_groups: tuple) -> "FsdpLayer":
+        return cls(mesh_group, shard_groups, None if param_group is None else weakref.ref(param_group), tuple(weakref.ref(g) for g in model_groups))
+
+    @property
+    def param_group(self):
+        return None if self._param_group is None else self._param_group()
+
+    @property
+    def model_groups(self) -> tuple:
+        return tuple(group for group in (reference() for reference in self._model_groups) if group is not None)
 
 
 def layer_sharding(running, local: torch.Tensor, mesh, module) -> FsdpLayer:
@@ -59,7 +77,7 @@ def layer_sharding(running, local: torch.Tensor, mesh, module) -> FsdpLayer:
         param_group, model_groups = _param_group_of(module)
         params = [p for p in (param_group.fsdp_params if param_group is not None else ()) if p._sharded_local_tensor is local]
         groups = shard_groups(params[0]) if params else (group,)
-        known = running.fsdp = FsdpLayer(group, groups, param_group, model_groups)
+        known = running.fsdp = FsdpLayer.of(group, groups, param_group, model_groups)
     return known
 
 
