@@ -2,7 +2,7 @@
 eager and under torch.compile.
 
     python benchmarks/bench_model.py [--models stack,small,linear] [--systems S1,S2] [--recipes R1,R2]
-        [--steps 10] [--mode reduce-overhead] [--csv results.csv] [--dry-run]
+        [--steps 10] [--mode reduce-overhead] [--csv results.csv] [--profile S1,S2] [--dry-run]
 
 Models (a training step is forward, backward, fused AdamW step (lr 1e-5), zero_grad; fp32
 parameters under bf16 autocast; the same batch every step):
@@ -133,7 +133,25 @@ def measure(name, system, args):
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    if system in args.profile:
+        kernel_table(step, system)
     return dict(tokens_per_s=tokens / seconds, step_ms=seconds * 1e3, peak_gib=peak, warmup_s=warmup_s)
+
+
+def kernel_table(step, system, steps=3):
+    """`steps` more steps under the profiler: the GPU's kernels by total time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    launches = sum(e.count for e in kernels) / steps
+    print(f"--- kernels of {system}: {busy:.2f} ms of GPU time and {launches:.0f} kernels a step", flush=True)
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"{e.self_device_time_total / steps / 1e3:>9.3f} ms {e.count // steps:>6}x  {e.key[:110]}")
 
 
 def linear_step(model):
@@ -231,8 +249,10 @@ def main():
     parser.add_argument("--mode", default=None, help="torch.compile mode of the compiled systems (e.g. reduce-overhead)")
     parser.add_argument("--vocab", type=int, default=256, help="the small model's vocabulary")
     parser.add_argument("--csv", default=None, help="append the rows to this CSV file (header when new)")
+    parser.add_argument("--profile", default="", help="comma-separated systems whose GPU kernels are listed (3 more steps)")
     parser.add_argument("--dry-run", action="store_true", help="build each model on the meta device, count, list the systems, exit")
     args = parser.parse_args()
+    args.profile = [name for name in args.profile.split(",") if name]
     models = args.models.split(",")
     if unknown := set(models) - set(TITLES):
         parser.error(f"unknown models {sorted(unknown)}; choose from {sorted(TITLES)}")
