@@ -260,11 +260,58 @@ def test_a_deleted_sharded_model_frees_its_parameters(recipe, weights):
     run of a benchmark or a sweep) would keep every parameter. One gloo rank, FSDP2 on the root (a
     model sharded per block is kept alive by FSDP2 itself on the CPU builds of torch 2.11 and 2.13,
     with or without qtensor)."""
+    assert "alive 0 of 4" in _one_rank(_FREED_SCRIPT, recipe, weights)
+
+
+def _one_rank(script: str, *arguments: str) -> str:
+    """What `script` printed, run in a fresh interpreter as one gloo rank."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(workers.free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _FREED_SCRIPT, recipe, weights], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script, *arguments], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "alive 0 of 4" in done.stdout, done.stdout
+    return done.stdout
+
+
+_UNSHARDED_BYTES_SCRIPT = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn
+import qtensor
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
+qtensor.quantize_(model, getattr(qtensor.recipes, sys.argv[1])())
+fully_shard(model[0])
+fully_shard(model)
+seen = []
+
+def held_bytes(module, args):
+    storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in module.weight.buffer_dict(quantizer_state=False).values()}
+    seen.append(sum(storages.values()))
+
+model[0].register_forward_pre_hook(held_bytes)
+for _ in range(2):
+    model(torch.randn(32, 256)).square().mean().backward()
+print(*seen)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("recipe, expected", [
+    ("mxfp8", 256 * 256 + 256 * 256 // 32),  # one direction's E4M3 codes and E8M0 block scales
+    ("nvfp4", 256 * 256 // 2 + 256 * 256 // 16 + 4),  # one direction's E2M1 codes, E4M3 block scales, the fp32 global scale
+    ("float8_current", 2 * 256 * 256 + 4),  # the codes and their transpose (rebuilt after each gather), one fp32 scale
+    # Both copies, each with its 2 x 2 fp32 scales of 128 x 128 blocks (the columnwise one rebuilt by
+    # transposition). Its gather sends two buffers: on one rank, where FSDP2 copies only the first
+    # all-gather input, they travel packed (they used to be sent as two inputs and the gather failed).
+    ("float8_blockwise", 2 * 256 * 256 + 2 * 4 * 4),
+])
+def test_a_gathered_weight_holds_one_directions_bytes_when_the_backward_gathers_the_other(recipe, expected):
+    """With a re-gather before the backward (reshard_after_forward, the default), MXFP8's and NVFP4's
+    forward gather sends the rowwise copy and the re-gather the columnwise one: the unsharded weight's
+    two directions share one buffer, as large as one direction, where each gather writes what it
+    brought (the exactness of such training: the scenarios above). Float8 rebuilds its transpose
+    from the gathered codes and keeps both."""
+    assert _one_rank(_UNSHARDED_BYTES_SCRIPT, recipe).split() == [str(expected)] * 2
 
 
 @pytest.mark.parametrize("recipe, weights", fsdp_cases.DCP_CASES)

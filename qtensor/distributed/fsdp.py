@@ -70,6 +70,10 @@ class GatherPlan:
     # Each sent buffer is an all-gather input of its own and arrives as the unsharded buffer, used
     # in place (no copy in or out): even shards whose buffers join end to end (`_in_place_sizes`).
     in_place: bool = False
+    # The forward's gather sends one direction and the re-gather before the backward the other,
+    # neither rebuilt locally: the unsharded tensor's two directions share one buffer
+    # (`_sharing_one_buffer`), holding whichever the last gather brought.
+    alternating: bool = False
 
 
 def directions_needed(linear_quantizers, regather: bool | None) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
@@ -149,9 +153,13 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
     if world_size > 1:  # one rank's shard is the whole tensor: no edge to cut a block
         check_block_boundaries(tensor, {d for phase in phases for d in _split_rebuilt(tensor, phase)[1]}, shard_rows, name)
     pieces = [b for d in sent for b in _row_buffers(tensor.storage_for(d).zero_padded(shard_rows))]
+    splits = [_split_rebuilt(tensor, phase) for phase in phases]
+    alternating = len(splits) == 2 and all(not r and len(s) == 1 for r, s in splits) and splits[0][1] != splits[1][1]
     packed = outer_size[0] % world_size != 0
     sizes = None if packed else _in_place_sizes(tensor, phases, shard_rows)
-    if sizes == [b.nbytes for b in pieces] and all(b.is_contiguous() for b in pieces):
+    # On one rank FSDP2 (torch 2.11 to 2.13) copies only the first all-gather input into its output.
+    one_input_only = world_size == 1 and len(pieces) > 1
+    if sizes == [b.nbytes for b in pieces] and all(b.is_contiguous() for b in pieces) and not one_input_only:
         # Each buffer is an all-gather input of its own: FSDP2 copies it into its all-gather buffer,
         # and what arrives for it is the unsharded buffer (post_all_gather uses it in place).
         inputs = tuple(b.reshape(-1).view(torch.uint8) for b in pieces)
@@ -170,7 +178,7 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
         raw[offset : offset + buffer.nbytes].copy_(buffer.reshape(-1).view(torch.uint8))
         offset += _aligned(buffer.nbytes)
     count_gather((payload,), mesh, outer_size)
-    return (payload,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size)
+    return (payload,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size, alternating=alternating)
 
 
 @without_autocast
@@ -199,9 +207,13 @@ def post_all_gather(
             if spec.tensor_wide:
                 buffer = getattr(storage, spec.name)
                 setattr(storage, spec.name, copies.setdefault(id(buffer), buffer.clone()))
-    storages = {}
+    storages, shared = {}, None
+    if plan.alternating and all(getattr(local, d) is not None for d in DIRECTIONS):
+        storages, shared = _sharing_one_buffer(local, gathered, total_rows, copies)
     for direction in DIRECTIONS:
         present = getattr(local, direction)
+        if direction in storages:
+            continue
         if direction in gathered:
             storages[direction] = gathered[direction]
         elif present is not None:
@@ -210,11 +222,15 @@ def post_all_gather(
         else:
             storages[direction] = None
     unsharded = local.with_storages(storages["rowwise"], storages["columnwise"], shape=torch.Size(outer_size), dtype=dtype)
-    # FSDP2 frees and refills its own outputs: a buffer that is a view of one (a gather used in
-    # place) is left out of the inner tensors it frees (freeing a view would shrink that storage).
-    arrived = {output.untyped_storage().data_ptr() for output in outputs}
+    # FSDP2 frees and refills its own outputs and the inner tensors returned here, each by resizing
+    # its storage to the tensor's size: a view of an output (a gather used in place) or of the
+    # shared buffer is left out (resizing for a view would cut that storage), the shared buffer is in.
+    left_out = {output.untyped_storage().data_ptr() for output in outputs}
+    if shared is not None:
+        left_out.add(shared.untyped_storage().data_ptr())
     buffers = unsharded.buffer_dict(quantizer_state=False).values()
-    return unsharded, tuple(b for b in buffers if b.untyped_storage().data_ptr() not in arrived)
+    inner = tuple(b for b in buffers if b.untyped_storage().data_ptr() not in left_out)
+    return unsharded, inner + ((shared,) if shared is not None else ())
 
 
 def _unpacked(local: QuantizedTensor, outputs, plan: GatherPlan, total_rows: int) -> dict[str, Storage]:
@@ -358,6 +374,38 @@ def _empty_like_rows(storage: Storage, rows: int, copies: dict) -> Storage:
             poisoned.reshape(-1).view(torch.uint8).fill_(0xFF)
             buffers[spec.name] = poisoned
     return storage.rebuilt(buffers, rows=rows)
+
+
+def _sharing_one_buffer(local: QuantizedTensor, gathered: dict[str, Storage], rows: int, copies: dict) -> tuple[dict, torch.Tensor]:
+    """({direction: unsharded storage}, the byte buffer under both): each direction's per-block
+    buffers laid out from the start of one buffer as large as the larger direction's, the gathered
+    direction's bytes copied in. A gather that sends one direction fills it; the other direction's
+    bytes are then stale (a forward recomputed after a backward's re-gather is refused:
+    `QuantizedWeight.linear_operand`). Tensor-wide buffers stay separate, one copy each."""
+    layouts = {}
+    for direction in DIRECTIONS:
+        storage = local.storage_for(direction)
+        layouts[direction] = storage.layout(storage.direction, rows, storage.cols, **storage.options)
+    sizes = {d: sum(_aligned(math.prod(spec.shape) * spec.dtype.itemsize) for spec in specs if not spec.tensor_wide) for d, specs in layouts.items()}
+    shared = torch.empty(max(sizes.values()), dtype=torch.uint8, device=local.device)
+    storages = {}
+    for direction, specs in layouts.items():
+        source = gathered[direction] if direction in gathered else local.storage_for(direction)
+        buffers, offset = {}, 0
+        for spec in specs:
+            if spec.tensor_wide:
+                buffer = getattr(source, spec.name)
+                buffers[spec.name] = buffer if direction in gathered else copies.setdefault(id(buffer), buffer.clone())
+                continue
+            nbytes = math.prod(spec.shape) * spec.dtype.itemsize
+            buffers[spec.name] = shared[offset : offset + nbytes].view(spec.dtype).reshape(spec.shape)
+            offset += _aligned(nbytes)
+        storages[direction] = local.storage_for(direction).rebuilt(buffers, rows=rows)
+    for direction, storage in gathered.items():
+        for name, buffer in storages[direction].buffers.items():
+            if buffer.data_ptr() != storage.buffers[name].data_ptr():
+                buffer.copy_(storage.buffers[name])
+    return storages, shared
 
 
 def _write_into(out: QuantizedTensor, gathered: dict[str, Storage]) -> None:
