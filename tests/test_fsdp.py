@@ -229,38 +229,48 @@ def test_the_readme_fsdp_example_runs_under_torchrun(tmp_path):
 
 
 _FREED_SCRIPT = """
-import gc, os, sys, weakref
+import gc, sys, weakref
 import torch, torch.distributed as dist, torch.nn as nn
 import qtensor
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo", rank=0, world_size=1)
-model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-qtensor.quantize_(model, getattr(qtensor.recipes, sys.argv[1])(), weights=sys.argv[2])
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters())
-if sys.argv[2] == "quantized":
-    optimizer = qtensor.optim.MasterWeights(optimizer)
-for _ in range(2):
-    model(torch.randn(8, 64)).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-parameters = [weakref.ref(p) for p in model.parameters()]
-del model, optimizer
-gc.collect()
-print("alive", sum(p() is not None for p in parameters), "of", len(parameters))
+for case in sys.argv[1:]:
+    recipe, weights = case.split(",")
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    if weights == "quantized":
+        optimizer = qtensor.optim.MasterWeights(optimizer)
+    for _ in range(2):
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    parameters = [weakref.ref(p) for p in model.parameters()]
+    del model, optimizer
+    gc.collect()
+    print(case, sum(p() is not None for p in parameters), len(parameters))
 dist.destroy_process_group()
 """
+_FREED_CASES = [("float8_current", "dynamic"), ("mxfp8", "quantized")]
 
 
-@pytest.mark.parametrize("recipe, weights", [("float8_current", "dynamic"), ("mxfp8", "quantized")])
-def test_a_deleted_sharded_model_frees_its_parameters(recipe, weights):
+@pytest.fixture(scope="module")
+def parameters_left_alive():
+    """{(recipe, weights): (parameters still alive after the model was deleted, parameters)}."""
+    printed = _one_rank(_FREED_SCRIPT, *(f"{recipe},{weights}" for recipe, weights in _FREED_CASES))
+    return {tuple(line.split()[0].split(",")): tuple(int(n) for n in line.split()[1:]) for line in printed.splitlines()}
+
+
+@pytest.mark.parametrize("recipe, weights", _FREED_CASES)
+def test_a_deleted_sharded_model_frees_its_parameters(parameters_left_alive, recipe, weights):
     """A quantized layer notes FSDP2's parameter group holding its weight; a strong reference back
     from the weight's quantizers would close a cycle through autograd's references between a
     parameter and its shard, which the garbage collector cannot see: a deleted model (the previous
     run of a benchmark or a sweep) would keep every parameter. One gloo rank, FSDP2 on the root (a
     model sharded per block is kept alive by FSDP2 itself on the CPU builds of torch 2.11 and 2.13,
     with or without qtensor)."""
-    assert "alive 0 of 4" in _one_rank(_FREED_SCRIPT, recipe, weights)
+    assert parameters_left_alive[(recipe, weights)] == (0, 4)
 
 
 def _one_rank(script: str, *arguments: str) -> str:
@@ -278,40 +288,51 @@ import torch, torch.distributed as dist, torch.nn as nn
 import qtensor
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo", rank=0, world_size=1)
-model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
-qtensor.quantize_(model, getattr(qtensor.recipes, sys.argv[1])())
-fully_shard(model[0])
-fully_shard(model)
-seen = []
+
 
 def held_bytes(module, args):
     storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in module.weight.buffer_dict(quantizer_state=False).values()}
     seen.append(sum(storages.values()))
 
-model[0].register_forward_pre_hook(held_bytes)
-for _ in range(2):
-    model(torch.randn(32, 256)).square().mean().backward()
-print(*seen)
+
+for recipe in sys.argv[1:]:
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
+    qtensor.quantize_(model, getattr(qtensor.recipes, recipe)())
+    fully_shard(model[0])
+    fully_shard(model)
+    seen = []
+    model[0].register_forward_pre_hook(held_bytes)
+    for _ in range(2):
+        model(torch.randn(32, 256)).square().mean().backward()
+    print(recipe, *seen)
 dist.destroy_process_group()
 """
-
-
-@pytest.mark.parametrize("recipe, expected", [
-    ("mxfp8", 256 * 256 + 256 * 256 // 32),  # one direction's E4M3 codes and E8M0 block scales
-    ("nvfp4", 256 * 256 // 2 + 256 * 256 // 16 + 4),  # one direction's E2M1 codes, E4M3 block scales, the fp32 global scale
-    ("float8_current", 2 * 256 * 256 + 4),  # the codes and their transpose (rebuilt after each gather), one fp32 scale
+_GATHERED_BYTES = {
+    "mxfp8": 256 * 256 + 256 * 256 // 32,  # one direction's E4M3 codes and E8M0 block scales
+    "nvfp4": 256 * 256 // 2 + 256 * 256 // 16 + 4,  # one direction's E2M1 codes, E4M3 block scales, the fp32 global scale
+    "float8_current": 2 * 256 * 256 + 4,  # the codes and their transpose (rebuilt after each gather), one fp32 scale
     # Both copies, each with its 2 x 2 fp32 scales of 128 x 128 blocks (the columnwise one rebuilt by
     # transposition). Its gather sends two buffers: on one rank, where FSDP2 copies only the first
     # all-gather input, they travel packed (they used to be sent as two inputs and the gather failed).
-    ("float8_blockwise", 2 * 256 * 256 + 2 * 4 * 4),
-])
-def test_a_gathered_weight_holds_one_directions_bytes_when_the_backward_gathers_the_other(recipe, expected):
+    "float8_blockwise": 2 * 256 * 256 + 2 * 4 * 4,
+}
+
+
+@pytest.fixture(scope="module")
+def gathered_weight_bytes():
+    """{recipe: [bytes the gathered weight holds at each of two forwards]}."""
+    printed = _one_rank(_UNSHARDED_BYTES_SCRIPT, *_GATHERED_BYTES)
+    return {line.split()[0]: [int(n) for n in line.split()[1:]] for line in printed.splitlines()}
+
+
+@pytest.mark.parametrize("recipe", _GATHERED_BYTES)
+def test_a_gathered_weight_holds_one_directions_bytes_when_the_backward_gathers_the_other(gathered_weight_bytes, recipe):
     """With a re-gather before the backward (reshard_after_forward, the default), MXFP8's and NVFP4's
     forward gather sends the rowwise copy and the re-gather the columnwise one: the unsharded weight's
     two directions share one buffer, as large as one direction, where each gather writes what it
     brought (the exactness of such training: the scenarios above). Float8 rebuilds its transpose
     from the gathered codes and keeps both."""
-    assert _one_rank(_UNSHARDED_BYTES_SCRIPT, recipe).split() == [str(expected)] * 2
+    assert gathered_weight_bytes[recipe] == [_GATHERED_BYTES[recipe]] * 2
 
 
 @pytest.mark.parametrize("recipe, weights", fsdp_cases.DCP_CASES)
