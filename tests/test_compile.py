@@ -409,3 +409,35 @@ def test_delayed_scaling_compiles_with_activation_checkpointing(weights):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         for got, expected in zip(_histories(compiled_model), _histories(eager), strict=True):
             assert torch.equal(got, expected)
+
+
+def _cache_key_bytes(weight, mode) -> bytes:
+    """What torch.compile's caches (AOTAutograd, inductor's FX graph cache) pickle of a traced
+    input to key the code compiled for it."""
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    return FxGraphCachePickler(torch.fx.GraphModule(nn.Module(), torch.fx.Graph())).dumps(weight)
+
+
+def test_the_compile_caches_key_a_traced_weight_by_its_inner_tensors():
+    """A traced layer weight whose inner tensors differ from another's (a weight FSDP2 gathered
+    from a dynamic weight's shard carries that cast's amaxes, which its compiled step records; a
+    quantized weight's does not) must not share a key in the compile caches: code compiled for one
+    takes a different number of inputs than the other gives it (on 2 GPUs: `not enough values to
+    unpack (expected 17, got 15)`). Two weights alike share their key, so the caches still serve them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qtensor.layers.weight import GatheredCast
+
+    mode = FakeTensorMode()
+    traced = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        layer = nn.Linear(64, 64)
+        qtensor.quantize_(layer, qtensor.recipes.float8_delayed(), weights="quantized")
+        traced.append(mode.from_tensor(layer.weight))
+    assert _cache_key_bytes(traced[0], mode) == _cache_key_bytes(traced[1], mode)
+    traced[2].gathered_cast = GatheredCast()
+    traced[2].gathered_cast.notes = [(traced[2].linear_quantizers.weight, mode.from_tensor(torch.zeros(4)))]
+    assert len(traced[2].__tensor_flatten__()[0]) == len(traced[0].__tensor_flatten__()[0]) + 1
+    assert _cache_key_bytes(traced[2], mode) != _cache_key_bytes(traced[0], mode)

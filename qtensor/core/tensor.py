@@ -25,6 +25,7 @@ import threading
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .kernels import is_fake
 from .numerics import FP8_DTYPES
 from .plan import TENSOR_CLASSES, TensorPlan
 from .quantizer import DTYPES_BY_NAME, Quantizer, quantizer_from_dict
@@ -297,6 +298,13 @@ class QuantizedTensor(torch.Tensor):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __reduce_ex__(self, protocol):
+        return traced_reduction(self, self._reduction()) if self._traced() else self._reduction()
+
+    def _traced(self) -> bool:
+        """Whether this is a fake tensor of torch.compile's tracing (its buffers are fake)."""
+        return is_fake(next(iter(self.buffer_dict(quantizer_state=False).values())))
+
+    def _reduction(self):
         if self.__dict__.get("_is_param"):
             # A parameter of a pickled module: keep it a parameter.
             return _rebuild_parameter, (self.detach(), self.requires_grad)
@@ -350,6 +358,21 @@ def own_bytes(buffer: torch.Tensor) -> torch.Tensor:
 def _rebuild_quantized_tensor(metadata_json: str, buffers: dict, fp8_dtypes: dict) -> QuantizedTensor:
     buffers = {name: b.view(DTYPES_BY_NAME[fp8_dtypes[name]]) if name in fp8_dtypes else b for name, b in buffers.items()}
     return QuantizedTensor.from_buffers(buffers, json.loads(metadata_json))
+
+
+def traced_reduction(tensor: torch.Tensor, reduction: tuple) -> tuple:
+    """A traced (fake) tensor of qtensor's, as torch.compile's caches pickle a graph's inputs to key
+    its compiled code: `reduction` (its ordinary pickle) with its class and the names and metadata
+    of the inner tensors `__tensor_flatten__` gives. Those are the compiled code's inputs, and what
+    a layer weight adds to its buffers (its running state, a gathered cast's amaxes) is not in its
+    ordinary pickle: without them two weights whose inner tensors differ would share a key, and one
+    would be given code compiled for the other's inputs."""
+    names, _ = tensor.__tensor_flatten__()
+    return _traced_only, (type(tensor).__qualname__, tuple(names), tuple(getattr(tensor, n) for n in names), reduction)
+
+
+def _traced_only(*_):
+    raise RuntimeError("A traced (fake) qtensor tensor was pickled for a compile cache's key; it cannot be unpickled.")
 
 
 def _rebuild_parameter(tensor: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:

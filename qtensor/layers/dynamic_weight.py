@@ -16,7 +16,7 @@ from ..core.kernels import is_fake
 from .config import LinearQuantizers
 from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
 from ..core.quantizer import autocast_off, fold_to_2d
-from ..core.tensor import QuantizedTensor, split_rebuilt
+from ..core.tensor import QuantizedTensor, split_rebuilt, traced_reduction
 from .weight import LayerWeight, note_gathered, quantized_weight
 
 
@@ -171,6 +171,9 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         return weight
 
     def __reduce_ex__(self, protocol):
+        return traced_reduction(self, self._reduction(protocol)) if is_fake(self._data) else self._reduction(protocol)
+
+    def _reduction(self, protocol):
         if self.__dict__.get("_is_param"):
             # A parameter of a pickled module: keep it a DynamicWeight parameter.
             return _rebuild_dynamic_parameter, (self._data, self.requires_grad, self.linear_quantizers)

@@ -26,7 +26,7 @@ from .config import LinearQuantizers
 from ..core.ops import byte_compatible, copy_storages
 from ..core.placement import LayerPlacement
 from ..core.plan import TENSOR_CLASSES
-from ..core.tensor import QuantizedTensor
+from ..core.tensor import QuantizedTensor, traced_reduction
 
 aten = torch.ops.aten
 
@@ -163,7 +163,8 @@ class QuantizedWeight(LayerWeight):
     def __reduce_ex__(self, protocol):
         if self.__dict__.get("_is_param"):
             data = self.data_class(self.shape, self.dtype, self.rowwise, self.columnwise, self.quantizer)
-            return _rebuild_quantized_weight, (data, self.requires_grad, self.linear_quantizers)
+            reduction = _rebuild_quantized_weight, (data, self.requires_grad, self.linear_quantizers)
+            return traced_reduction(self, reduction) if self._traced() else reduction
         return super().__reduce_ex__(protocol)
 
     # ---- FSDP2: gather the direction each GEMM reads, as low-precision bytes (fsdp.py) ------------
