@@ -150,13 +150,13 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
     world_size = mesh.size()
     shard_rows = ceil_div(outer_size[0], world_size) * _rows_per_index(outer_size)
     rebuilt, sent = _split_rebuilt(tensor, directions)
+    splits = [_split_rebuilt(tensor, phase) for phase in phases]  # (rebuilt, sent) of every phase
     if world_size > 1:  # one rank's shard is the whole tensor: no edge to cut a block
-        check_block_boundaries(tensor, {d for phase in phases for d in _split_rebuilt(tensor, phase)[1]}, shard_rows, name)
+        check_block_boundaries(tensor, {d for _, phase_sent in splits for d in phase_sent}, shard_rows, name)
     pieces = [b for d in sent for b in _row_buffers(tensor.storage_for(d).zero_padded(shard_rows))]
-    splits = [_split_rebuilt(tensor, phase) for phase in phases]
     alternating = len(splits) == 2 and all(not r and len(s) == 1 for r, s in splits) and splits[0][1] != splits[1][1]
     packed = outer_size[0] % world_size != 0
-    sizes = None if packed else _in_place_sizes(tensor, phases, shard_rows)
+    sizes = None if packed else _in_place_sizes(tensor, {phase_sent for _, phase_sent in splits}, shard_rows)
     # On one rank FSDP2 (torch 2.11 to 2.13) copies only the first all-gather input into its output.
     one_input_only = world_size == 1 and len(pieces) > 1
     if sizes == [b.nbytes for b in pieces] and all(b.is_contiguous() for b in pieces) and not one_input_only:
@@ -166,7 +166,7 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
         count_gather(inputs, mesh, outer_size)
         return inputs, GatherPlan(sent, rebuilt, shard_rows, packed, world_size, in_place=True)
     # Every gather of this parameter sends the same number of bytes: the most any phase sends.
-    capacity = max(_payload_bytes(tensor, _split_rebuilt(tensor, phase)[1], shard_rows) for phase in phases)
+    capacity = max(_payload_bytes(tensor, phase_sent, shard_rows) for _, phase_sent in splits)
     if packed:  # uneven shards: FSDP2 wants the input in the padded shard's shape
         padded_shape = (ceil_div(outer_size[0], world_size), *outer_size[1:])
         dtype = next(d for d in _PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
@@ -330,17 +330,16 @@ def _rows_per_index(shape) -> int:
     return rows_per_index(shape) if len(shape) > 1 else 1
 
 
-def _in_place_sizes(tensor: QuantizedTensor, phases, shard_rows: int) -> list[int] | None:
+def _in_place_sizes(tensor: QuantizedTensor, sent: set, shard_rows: int) -> list[int] | None:
     """The bytes of each buffer a gather of `tensor` sends, where every phase sends the same
-    directions (FSDP2 sizes its outputs once, and a buffer used in place holds what every gather
-    brings: a forward recomputed inside the backward, under activation checkpointing, reads the
-    forward's direction) and their shards join end to end into the unsharded buffers (each follows
-    the rows along its first axis, unpadded); else None."""
-    sent = {_split_rebuilt(tensor, phase)[1] for phase in phases}
+    directions (`sent`: the set of what each phase sends; FSDP2 sizes its outputs once, and a buffer
+    used in place holds what every gather brings: a forward recomputed inside the backward, under
+    activation checkpointing, reads the forward's direction) and their shards join end to end into
+    the unsharded buffers (each follows the rows along its first axis, unpadded); else None."""
     if len(sent) != 1:
         return None
     sizes = []
-    for direction in sent.pop():
+    for direction in next(iter(sent)):
         storage = tensor.storage_for(direction)
         for spec in storage.layout(storage.direction, shard_rows, storage.cols, **storage.options):
             if spec.tensor_wide:
@@ -386,8 +385,8 @@ def _sharing_one_buffer(local: QuantizedTensor, gathered: dict[str, Storage], ro
     for direction in DIRECTIONS:
         storage = local.storage_for(direction)
         layouts[direction] = storage.layout(storage.direction, rows, storage.cols, **storage.options)
-    sizes = {d: sum(_aligned(math.prod(spec.shape) * spec.dtype.itemsize) for spec in specs if not spec.tensor_wide) for d, specs in layouts.items()}
-    shared = torch.empty(max(sizes.values()), dtype=torch.uint8, device=local.device)
+    size = max(_payload_bytes(local, (direction,), rows) for direction in DIRECTIONS)
+    shared = torch.empty(size, dtype=torch.uint8, device=local.device)
     storages = {}
     for direction, specs in layouts.items():
         source = gathered[direction] if direction in gathered else local.storage_for(direction)

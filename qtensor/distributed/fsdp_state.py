@@ -75,8 +75,8 @@ def layer_sharding(running, local: torch.Tensor, mesh, module) -> FsdpLayer:
     known = running.fsdp
     if known is None or known.mesh_group is not group:
         param_group, model_groups = _param_group_of(module)
-        params = [p for p in (param_group.fsdp_params if param_group is not None else ()) if p._sharded_local_tensor is local]
-        groups = shard_groups(params[0]) if params else (group,)
+        param = _fsdp_param_of(local, param_group)
+        groups = shard_groups(param) if param is not None else (group,)
         known = running.fsdp = FsdpLayer.of(group, groups, param_group, model_groups)
     return known
 
@@ -175,13 +175,19 @@ def sharded_parameters(groups) -> list[ShardedParameter]:
 def trains(local, group) -> bool | None:
     """Whether the parameter whose local shard is `local` requires a gradient, read from its FSDP2
     parameter `group`; None where FSDP2's state cannot be read."""
+    param = _fsdp_param_of(local, group)
     try:
-        for param in group.fsdp_params:
-            if param._sharded_local_tensor is local:
-                return param.sharded_param.requires_grad
+        return None if param is None else param.sharded_param.requires_grad
     except AttributeError:
-        pass
-    return None
+        return None
+
+
+def _fsdp_param_of(local, group):
+    """The FSDP2 parameter of `group` whose local shard is `local`, or None (none, or no state to read)."""
+    try:
+        return next((param for param in group.fsdp_params if param._sharded_local_tensor is local), None)
+    except AttributeError:
+        return None
 
 
 def param_groups(states):
