@@ -149,7 +149,8 @@ def profile(step, synchronize, system: str) -> None:
     """Two steps under the profiler (rank 0): the host's and the GPU's busiest operations."""
     from torch.profiler import ProfilerActivity, profile as profiler
 
-    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # records the Python stacks
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, experimental_config=verbose) as prof:
         for _ in range(2):
             step()
         synchronize()
@@ -157,6 +158,12 @@ def profile(step, synchronize, system: str) -> None:
     print(f"--- profile of {system}: two steps, rank 0")
     print(events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+    # Where the copies and conversions come from: each call site's GPU time.
+    copies = [e for e in prof.key_averages(group_by_stack_n=6) if e.key in ("aten::copy_", "aten::_chunk_cat", "aten::mul", "aten::add_")]
+    print(f"--- {system}: copy and elementwise call sites by GPU time (two steps)")
+    for event in sorted(copies, key=lambda e: -e.device_time_total)[:10]:
+        stack = " <- ".join(frame.split("/")[-1] for frame in event.stack if "built-in" not in frame)
+        print(f"{event.device_time_total / 1e3:8.2f} ms {event.count:5d}x {event.key}: {stack}")
     gpu = sum(e.self_device_time_total for e in events) / 2 / 1e3
     print(f"--- {system}: GPU busy {gpu:.1f} ms a step (sum of kernel times)", flush=True)
 
