@@ -142,11 +142,16 @@ def kernel_table(step, system, steps=3):
     """`steps` more steps under the profiler: the GPU's kernels by total time, per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = prof.key_averages()
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    print(f"--- host of {system}: {sum(e.self_cpu_time_total for e in host) / steps / 1e3:.2f} ms of self CPU time a step", flush=True)
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:12]:
+        print(f"{e.self_cpu_time_total / steps / 1e3:>9.3f} ms {e.count // steps:>6}x  {e.key[:110]}")
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     launches = sum(e.count for e in kernels) / steps
     print(f"--- kernels of {system}: {busy:.2f} ms of GPU time and {launches:.0f} kernels a step", flush=True)
@@ -249,7 +254,7 @@ def main():
     parser.add_argument("--mode", default=None, help="torch.compile mode of the compiled systems (e.g. reduce-overhead)")
     parser.add_argument("--vocab", type=int, default=256, help="the small model's vocabulary")
     parser.add_argument("--csv", default=None, help="append the rows to this CSV file (header when new)")
-    parser.add_argument("--profile", default="", help="comma-separated systems whose GPU kernels are listed (3 more steps)")
+    parser.add_argument("--profile", default="", help="comma-separated systems whose busiest host operations and GPU kernels are listed (3 more steps)")
     parser.add_argument("--dry-run", action="store_true", help="build each model on the meta device, count, list the systems, exit")
     args = parser.parse_args()
     args.profile = [name for name in args.profile.split(",") if name]

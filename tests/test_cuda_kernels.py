@@ -232,6 +232,21 @@ def check_the_three_gemms(quantizer, grad_quantizer, backend, out_dtype, accumul
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape, strided", [((1, 1), False), ((3, 200), False), ((127, 129), False), ((4096, 64), False), ((130, 70), True)])
+def test_float8_transpose_kernel_writes_the_transposed_bytes(fp8_dtype, shape, strided):
+    """The tiled transpose (the columnwise codes an FSDP2 gather rebuilds) writes, byte for byte, the
+    numpy transpose of the codes: ragged edge tiles, a strided source, both FP8 formats."""
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = shape
+    codes = torch.randint(0, 256, (rows, cols * (2 if strided else 1)), dtype=torch.uint8, generator=generator)
+    source = codes[:, ::2] if strided else codes
+    expected = np.ascontiguousarray(source.numpy().T)
+    out = torch.full((cols, rows), 7, dtype=torch.uint8, device="cuda").view(fp8_dtype)
+    lookup("float8.transpose", out)(source.cuda().view(fp8_dtype), out)
+    np.testing.assert_array_equal(out.view(torch.uint8).cpu().numpy(), expected)
+
+
 def test_float8_tensor_core_gemms_agree_with_the_reference(out_dtype):
     e5m2 = lambda: qtensor.Float8Quantizer(torch.float8_e5m2)
     check_the_three_gemms(qtensor.Float8Quantizer, e5m2, "float8_scaled_mm", out_dtype, FP8_ACCUMULATION)

@@ -46,6 +46,7 @@ REFERENCES: dict[str, str] = {
     "float8.delayed_scale": "Float8Quantizer.compute_scale, delayed",
     "float8.record_amax": "Float8Quantizer.record_amax",
     "float8.dequantize": "formats.float8.dequantize_per_tensor",
+    "float8.transpose": "out.copy_(codes.t()): Float8Storage's other direction",
     "mxfp8.cast": "formats.mxfp8.quantize_row_blocks of both directions, from one read",
     "mxfp8.dequantize": "formats.mxfp8.dequantize_row_blocks",
     "nvfp4.cast": "formats.nvfp4.quantize_row_blocks of both directions (tiles, transform, stochastic rounding)",
@@ -57,7 +58,9 @@ REFERENCES: dict[str, str] = {
 }
 
 # The kernels whose reference the compiler traces and fuses (see the module's docstring).
-TRACED = frozenset({"finite_amax", "float8.cast", "float8.amax_partials", "float8.dequantize", "mxfp8.cast", "mxfp8.dequantize"})
+TRACED = frozenset({
+    "finite_amax", "float8.cast", "float8.amax_partials", "float8.dequantize", "float8.transpose", "mxfp8.cast", "mxfp8.dequantize"
+})
 _traced_under_compile = os.environ.get("QTENSOR_COMPILED_CASTS", "traced") != "custom_ops"
 
 

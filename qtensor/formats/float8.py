@@ -93,17 +93,29 @@ class Float8Storage(Storage):
         if direction == self.direction:
             return self
         # Same codes and scale either way: the other direction is the physical transpose.
+        data = self.data.new_empty(self.data.shape[::-1])
+        _transpose_into(self.data, data)
         return type(self)(
-            direction=direction, rows=self.rows, cols=self.cols, fp8_dtype=self.fp8_dtype,
-            data=self.data.t().contiguous(), scale_inv=self.scale_inv,
+            direction=direction, rows=self.rows, cols=self.cols, fp8_dtype=self.fp8_dtype, data=data, scale_inv=self.scale_inv
         )
 
     def write_direction_into(self, target: "Float8Storage") -> None:
         if target.direction == self.direction:
             return super().write_direction_into(target)
-        for buffer, source in ((target.data, self.data.t()), (target.scale_inv, self.scale_inv)):
-            with torch.autograd._unsafe_preserve_version_counter(buffer):
-                buffer.copy_(source)  # the transpose written straight into the target's codes
+        # The transpose written straight into the target's codes.
+        with torch.autograd._unsafe_preserve_version_counter(target.data):
+            _transpose_into(self.data, target.data)
+        with torch.autograd._unsafe_preserve_version_counter(target.scale_inv):
+            target.scale_inv.copy_(self.scale_inv)
+
+
+def _transpose_into(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """`out.copy_(codes.t())`, through the tiled kernel on a GPU."""
+    kernel = lookup("float8.transpose", codes)
+    if kernel is None:
+        out.copy_(codes.t())
+    else:
+        kernel(codes, out)
 
 
 class Float8Tensor(QuantizedTensor):
