@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .layers import experts
 from .layers.dynamic_weight import DynamicWeight
 from .layers.config import LayerRunning, LinearQuantizers, carries_quantizers
 from .recipes import Recipe
@@ -56,6 +57,7 @@ class LinearSite:
     in_features: int
     out_features: int
     transposed: bool = False  # Hugging Face Conv1D keeps its weight as [in_features, out_features]
+    experts: int = 0  # a stack of this many expert matrices (layers/experts.py); 0: one matrix
 
     @property
     def layer(self) -> str:
@@ -94,7 +96,8 @@ def linear_sites(module: nn.Module, name: str) -> list[LinearSite]:
             LinearSite(module, name, attribute, getattr(module, attribute).shape[1], getattr(module, attribute).shape[0])
             for attribute in attributes
         ]
-    return []
+    # A mixture of experts' fused stacks (any 3-D parameter): E matrices each.
+    return [LinearSite(module, name, a, i, o, transposed=t, experts=e) for a, e, i, o, t in experts.stacks_of(module)]
 
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
@@ -167,11 +170,12 @@ def quantize_(
             if filter_fn is not None and not filter_fn(module, name):
                 report.skipped[site.layer] = "filtered out by filter_fn"
                 continue
-            quantizers = recipe.quantizers_for("linear", site.layer)
+            quantizers = recipe.quantizers_for("experts" if site.experts else "linear", site.layer)
             if all(q is None for q in quantizers.values()):
                 report.skipped[site.layer] = "the factory keeps every tensor in high precision"
                 continue
             reason = _unsupported_reason(site, quantizers) or _tied_reason(site, owners)
+            reason = reason or (experts.unsupported_stack_reason(quantizers, weights) if site.experts else None)
             if reason is not None:
                 cannot[site.layer] = reason
                 continue
@@ -206,7 +210,8 @@ def quantize_(
     for site, linear in plan:
         _install(site, linear, weights)
         mode = "quantized" if isinstance(getattr(site.module, site.attribute), QuantizedTensor) else "dynamic"
-        report.quantized[site.layer] = f"{linear.describe()}; weights={mode}"
+        stack = f"a stack of {site.experts} experts, each " if site.experts else ""
+        report.quantized[site.layer] = f"{stack}{linear.describe()}; weights={mode}"
     return report
 
 
@@ -247,6 +252,8 @@ def _other_weight_matrices(model: nn.Module, seen: set) -> dict[str, tuple[str, 
                 )
             elif isinstance(module, _EMBEDDINGS):
                 found[module_name] = ("an embedding table: a lookup, not a matrix multiplication", True)
+            elif experts.is_router(module):
+                found[module_name] = (f"a mixture of experts' router ({type(module).__name__}): routing stays in high precision", True)
             elif attribute == "weight":
                 found[module_name] = (
                     f"unsupported layer type {type(module).__name__}: its weight matrix {list(param.shape)} stays in "

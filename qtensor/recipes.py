@@ -124,7 +124,7 @@ class ByTensorType:
             make()
 
     def __call__(self, role: Role) -> Quantizer | None:
-        if role.module_type != "linear":
+        if role.module_type not in ("linear", "experts"):  # an expert stack's experts are linear layers too
             return None
         return self.makers[role.tensor_type]()
 

@@ -286,10 +286,11 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         plain_args, plain_kwargs = tree_map_only(DynamicWeight, lambda t: t._data, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
         _count_writes(func, args, kwargs)
-        if func in _DYNAMIC_WEIGHT_PIECES and _keeps_float(func, out):
+        expert = func is aten.select.int and args[0].dim() == 3 and args[1] in (0, -3)  # one matrix of an expert stack
+        if (func in _DYNAMIC_WEIGHT_PIECES or expert) and _keeps_float(func, out):
             source = weights[0]
             # An alias shares the write log (a write through it changes the source's values).
-            writes = source._writes if func in _ALIASES else None
+            writes = source._writes if func in _ALIASES or expert else None
             return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, source.linear_quantizers, writes=writes), out)
         # An in-place op hands back the tensor it wrote into: the wrapper, not its inner tensor.
         if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:

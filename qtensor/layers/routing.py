@@ -15,6 +15,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from . import experts
 from .attention import multi_head_attention
 from .config import carries_quantizers
 from .linear import quantized_linear
@@ -56,6 +57,13 @@ def _swaps_the_two_dims(args) -> bool:
     return args[1] % 2 != args[2] % 2
 
 
+def _swaps_the_last_two_of_three(func, args) -> bool:
+    """`.mT`, or transpose(a, b) with a and b the last two dims of a 3-D tensor."""
+    if func is torch.Tensor.mT.__get__:
+        return True
+    return func in (torch.Tensor.transpose, torch.transpose) and len(args) >= 3 and {args[1] % 3, args[2] % 3} == {1, 2}
+
+
 def _linear_args(args, kwargs):
     names = ("input", "weight", "bias")
     bound = dict(zip(names, args))
@@ -70,6 +78,10 @@ def _multiplies_as_stored(weight) -> bool:
 
 def intercept(func, args, kwargs):
     """Route the calls that mean "this layer's linear" to `quantized_linear`; NotImplemented otherwise."""
+    if func in experts.FUNCTIONS:  # a grouped or batched GEMM over an expert stack (experts.py)
+        result = experts.intercept(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
     if func is F.linear:
         x, weight, bias = _linear_args(args, kwargs)
         if carries_quantizers(weight):
@@ -80,6 +92,8 @@ def intercept(func, args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 values = func(*args, **kwargs)
             return TransposedWeight.of(values, weight)
+        if experts.is_stack(weight) and not _multiplies_as_stored(weight) and _swaps_the_last_two_of_three(func, args):
+            return experts.transposed_stack(func, args, kwargs)
     elif func in _MATMULS:
         if len(args) == 2 and not kwargs:
             if isinstance(args[1], TransposedWeight):

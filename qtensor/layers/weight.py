@@ -51,7 +51,8 @@ class LayerWeight:
 
     @property
     def in_features(self) -> int:
-        return self.shape[0] if self.stored_transposed else self.shape[-1]
+        # [out, in], or [in, out] where stored transposed; an expert stack has the experts first.
+        return self.shape[-2] if self.stored_transposed else self.shape[-1]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

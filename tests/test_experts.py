@@ -1,0 +1,229 @@
+"""Expert stacks (a mixture of experts' fused 3-D weights) train quantized, each expert's matrix cast
+on its own: through `F.linear(x, w[e])`, `torch.bmm` over gathered experts and the grouped GEMMs.
+
+The reference is the one of tests/test_linear.py: each group of rows and each expert's matrix
+dequantized by the independent numpy oracle (tests/oracle.py), multiplied in float64, compared
+within fp32 accumulation-order tolerance.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtensor
+from test_linear import CASES, assert_gemm_matches, factory_for, varied
+
+E, K, N = 4, 80, 40
+# Group ends over 67 rows: 16 rows, an empty group, 48 rows (one and a half MXFP8 blocks of rows),
+# 16; three rows past the last end. Groups are whole multiples of 16 rows: NVFP4's Hadamard transform
+# multiplies wgrad's operands in the transformed domain over the rows padded to a multiple of 16,
+# which the oracle's dequantized copies (padding dropped) reproduce only for whole runs of 16.
+ENDS = [16, 16, 64, 80]
+ROWS = 83
+
+
+class Stack(nn.Module):
+    """A module holding one expert stack, `[E, N, K]` or stored `[E, K, N]` (`is_transposed`)."""
+
+    def __init__(self, transposed=False, seed=1):
+        super().__init__()
+        self.is_transposed = transposed
+        values = varied(E, N, K, seed=seed)
+        self.weight_stack = nn.Parameter(values.transpose(1, 2).contiguous() if transposed else values)
+
+    def matrix(self, expert):
+        """Expert `expert`'s [N, K] matrix, in the values given at construction."""
+        values = self.weight_stack.detach()
+        return (values[expert].t() if self.is_transposed else values[expert]).numpy()
+
+
+def quantized_stack(case, transposed=False):
+    module = Stack(transposed)
+    original = [module.matrix(e) for e in range(E)]
+    report = qtensor.quantize_(module, factory_for(case))
+    assert list(report.quantized) == ["weight_stack"] and "a stack of 4 experts" in report.quantized["weight_stack"]
+    return module, original
+
+
+def check_group(case, y, x, w, grad, x_grad, w_grad):
+    """One group: its output, input gradient and its expert's weight gradient against the oracle."""
+    deq = CASES[case][1]
+    assert_gemm_matches(y, deq["input"](x, "rowwise"), deq["weight"](w, "rowwise").T)
+    assert_gemm_matches(x_grad, deq["grad_output"](grad, "rowwise"), deq["weight"](w, "columnwise"))
+    assert_gemm_matches(w_grad, deq["grad_output"](grad, "columnwise").T, deq["input"](x, "columnwise"))
+
+
+def run_grouped(module, x, grad, call):
+    x = x.clone().requires_grad_(True)
+    y = call(module, x)
+    y.backward(grad)
+    return y, x.grad, module.weight_stack.grad
+
+
+GROUPED_CALLS = {
+    "F.grouped_mm": lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ENDS, dtype=torch.int32)),
+    "torch._grouped_mm": lambda m, x: torch._grouped_mm(x, m.weight_stack.transpose(-2, -1), torch.tensor(ENDS, dtype=torch.int32)),
+    "stored [E, K, N]": lambda m, x: torch._grouped_mm(x, m.weight_stack, offs=torch.tensor(ENDS, dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("call", list(GROUPED_CALLS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_grouped_gemm_runs_each_group_through_its_experts_quantized_linear(case, call):
+    module, w = quantized_stack(case, transposed=call == "stored [E, K, N]")
+    x, grad = varied(ROWS, K, seed=2), varied(ROWS, N, seed=3)
+    y, x_grad, w_grad = run_grouped(module, x, grad, GROUPED_CALLS[call])
+    assert y.shape == (ROWS, N)
+    w_grad = w_grad.transpose(1, 2) if module.is_transposed else w_grad
+    for expert, (start, end) in enumerate(zip([0, *ENDS], ENDS)):
+        if end == start:  # an empty group: its expert gets a zero gradient
+            assert torch.equal(w_grad[expert], torch.zeros(N, K))
+            continue
+        rows = slice(start, end)
+        check_group(case, y[rows], x[rows].numpy(), w[expert], grad[rows].numpy(), x_grad[rows], w_grad[expert])
+    # Rows past the last group end: zero output, zero input gradient.
+    assert torch.equal(y[ENDS[-1]:], torch.zeros(ROWS - ENDS[-1], N)) and torch.equal(x_grad[ENDS[-1]:], torch.zeros(ROWS - ENDS[-1], K))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_batched_gemm_over_gathered_experts_runs_each_experts_rows_through_its_linear(case, transposed):
+    """transformers' batched_mm: `torch.bmm(w[ids], x[..., None])` (or `bmm(x[:, None], w[ids])` for a
+    stack kept [E, K, N]). Each expert's rows, in the order they come, are one group; the gathered
+    [rows, N, K] weights are never made."""
+    module, w = quantized_stack(case, transposed)
+    # 32 rows of expert 2, 16 of experts 0 and 3, none of expert 1, interleaved.
+    ids = torch.tensor([2, 0, 2, 3] * 16)
+    x, grad = varied(len(ids), K, seed=4), varied(len(ids), N, seed=5)
+    xr = x.clone().requires_grad_(True)
+    gathered = module.weight_stack[ids]
+    assert type(gathered).__name__ == "GatheredExperts"
+    y = torch.bmm(xr.unsqueeze(1), gathered).squeeze(1) if transposed else torch.bmm(gathered, xr.unsqueeze(-1)).squeeze(-1)
+    y.backward(grad)
+    w_grad = module.weight_stack.grad
+    w_grad = w_grad.transpose(1, 2) if transposed else w_grad
+    for expert in range(E):
+        rows = (ids == expert).nonzero().squeeze(1)
+        if len(rows) == 0:
+            assert torch.equal(w_grad[expert], torch.zeros(N, K))
+            continue
+        check_group(case, y[rows], x[rows].numpy(), w[expert], grad[rows].numpy(), xr.grad[rows], w_grad[expert])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_expert_of_a_stack_is_a_quantized_linear_of_its_own(case):
+    """transformers' eager experts: `F.linear(x, w[e])` per expert hit."""
+    module, w = quantized_stack(case)
+    x, grad = varied(33, K, seed=6), varied(33, N, seed=7)
+    xr = x.clone().requires_grad_(True)
+    y = F.linear(xr, module.weight_stack[1])
+    y.backward(grad)
+    check_group(case, y, x.numpy(), w[1], grad.numpy(), xr.grad, module.weight_stack.grad[1])
+    assert not module.weight_stack.grad[[0, 2, 3]].any()
+
+
+def test_inside_high_precision_a_stack_multiplies_its_own_values():
+    module, _ = quantized_stack("mxfp8")
+    x = varied(ROWS, K, seed=2)
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    with qtensor.high_precision():
+        y = F.grouped_mm(x, module.weight_stack.transpose(-2, -1), offs=offs)
+    plain = module.weight_stack.detach().plain()
+    expected = torch.cat([x[a:b] @ plain[e].t() for e, (a, b) in enumerate(zip([0, *ENDS], ENDS))])
+    torch.testing.assert_close(y[: ENDS[-1]], expected)
+
+
+def test_a_grouped_gemm_with_bad_group_ends_says_what_they_must_be():
+    module, _ = quantized_stack("float8")
+    with pytest.raises(ValueError, match="4 non-decreasing group ends within the input's 83 rows"):
+        F.grouped_mm(varied(ROWS, K, seed=2), module.weight_stack.transpose(-2, -1), offs=torch.tensor([16, 3, 40, 47], dtype=torch.int32))
+
+
+def test_the_report_strict_exclude_and_a_role_for_experts_see_the_stacks():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM(tiny_config("qwen3_moe"))
+    stacks = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    report = qtensor.quantize_(copy.deepcopy(model), qtensor.recipes.float8_current(), exclude=["lm_head"])
+    assert all(name in report.quantized for name in stacks)
+    assert report.skipped["model.layers.0.mlp.gate"].startswith("a mixture of experts' router (Qwen3MoeTopKRouter)")
+    # strict=True accepts a model whose stacks are quantized and whose router stays in high precision.
+    qtensor.quantize_(copy.deepcopy(model), qtensor.recipes.nvfp4(), strict=True)
+    report = qtensor.quantize_(copy.deepcopy(model), qtensor.recipes.mxfp8(), exclude=["*.experts"])
+    assert all(report.skipped[name].startswith("kept in high precision by exclude") for name in stacks)
+    # A factory may choose by role: experts in high precision, the other linear layers in MXFP8.
+    linear_only = qtensor.recipes.mxfp8()
+    report = qtensor.quantize_(copy.deepcopy(model), lambda role: linear_only(role) if role.module_type == "linear" else None)
+    assert all(report.skipped[name] == "the factory keeps every tensor in high precision" for name in stacks)
+    assert "model.layers.0.self_attn.q_proj" in report.quantized
+
+
+@pytest.mark.parametrize(
+    "weights, recipe, says",
+    [("quantized", qtensor.recipes.mxfp8, "weights='quantized' does not take expert stacks yet"),
+     ("dynamic", qtensor.recipes.float8_delayed, "delayed scaling .* does not take expert stacks yet")],
+)
+def test_what_stacks_do_not_take_yet_is_reported_and_strict_refuses_it(weights, recipe, says):
+    module = Stack()
+    report = qtensor.quantize_(copy.deepcopy(module), recipe(), weights=weights)
+    assert list(report.skipped) == ["weight_stack"]
+    assert isinstance(report.skipped["weight_stack"], str) and report.skipped["weight_stack"]
+    with pytest.raises(ValueError, match=says):
+        qtensor.quantize_(module, recipe(), weights=weights, strict=True)
+    assert type(module.weight_stack) is nn.Parameter
+
+
+def tiny_config(family):
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.GptOssConfig(
+        **common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2
+    )
+
+
+def tiny_model(family):
+    import transformers
+
+    classes = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+    torch.manual_seed(0)
+    return getattr(transformers, classes[family])(tiny_config(family))
+
+
+@pytest.mark.parametrize("recipe", ["float8_current", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_a_hugging_face_moe_trains_its_experts_quantized_with_every_implementation(family, recipe):
+    """The three experts implementations of transformers give one forward (each expert's rows cast as
+    one group whatever their order: the forward's casts are per row or per tensor), and the experts'
+    quantized linears ran (their outputs differ from the unquantized experts')."""
+    model = tiny_model(family)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    stacks = [name for name, p in model.named_parameters() if p.dim() == 3]
+    assert stacks
+    plain_experts = copy.deepcopy(model)
+    qtensor.quantize_(plain_experts, getattr(qtensor.recipes, recipe)(), exclude=["lm_head", "*.experts"])
+    losses = {}
+    for implementation in ("eager", "batched_mm", "grouped_mm"):
+        quantized = copy.deepcopy(model)
+        report = qtensor.quantize_(quantized, getattr(qtensor.recipes, recipe)(), exclude=["lm_head"])
+        assert all(name in report.quantized for name in stacks)
+        quantized.set_experts_implementation(implementation)
+        optimizer = torch.optim.SGD(quantized.parameters(), lr=0.1)
+        first = quantized(ids, labels=ids).loss
+        first.backward()
+        assert all(quantized.get_parameter(name).grad.abs().sum() > 0 for name in stacks)
+        optimizer.step()
+        losses[implementation] = (first.item(), quantized(ids, labels=ids).loss.item())
+    plain_loss = plain_experts(ids, labels=ids).loss.item()
+    first = [loss for loss, _ in losses.values()]
+    np.testing.assert_allclose(first, first[0], rtol=1e-5)
+    assert abs(first[0] - plain_loss) > 1e-6, "the experts ran in high precision"
+    assert all(after < before for before, after in losses.values())
