@@ -28,6 +28,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint, recipes
+from .layers import experts
 from .optim import MasterWeights
 from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, running_state, save_running_state
 from .core.quantizer import decode_value, encode_value
@@ -161,19 +162,28 @@ class QTensorHfQuantizer(HfQuantizer):
         _tie_as_loading_will(model, stored)
         # The quantizers' running state is made as quantize_ makes it outside from_pretrained (on
         # the CPU, in fp32), not on the meta device in the checkpoint's dtype.
+        # Expert stacks are quantized after loading: a checkpoint stores each expert's matrices on
+        # their own, which transformers merges into the stacks as it loads them.
         with torch.device("cpu"), _default_dtype(torch.float32):
-            model.qtensor_report = self._quantize(model)
+            model.qtensor_report = self._quantize(model, stacks=False)
         _check_weights_stored(model, stored)
         save_running_state(model, False)  # until loaded: transformers places what state_dict() lists
         return model
 
-    def _quantize(self, model):
+    def _quantize(self, model, stacks: bool | None = None):
+        """quantize_ as the config says; `stacks` True or False: only the modules that hold expert
+        stacks, or only the others (None: every module)."""
         config = self.quantization_config
-        return quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=config.filter_fn)
+        chosen = config.filter_fn
+        if stacks is not None:
+            user = config.filter_fn
+            chosen = lambda module, name: bool(experts.stacks_of(module)) == stacks and (user is None or user(module, name))
+        return quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=chosen)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
             save_running_state(model, True)
+            _add_to_report(model.qtensor_report, self._quantize(model, stacks=True))
             return model
         model.qtensor_report = self._quantize(model)
         # The quantized weights' bytes and the running state, as saved (the rest transformers loaded,
@@ -221,6 +231,16 @@ class _FillQuantizedWeight(ConversionOps):
         return {full_layer_name: fill_weight(module, attribute, value)}
 
 
+def _add_to_report(report, stacks_report) -> None:
+    """The report of the pass that quantized the expert stacks, over the first pass's."""
+    for name, text in stacks_report.quantized.items():
+        report.skipped.pop(name, None)
+        report.quantized[name] = text
+    for name, text in stacks_report.skipped.items():
+        if name in report.skipped and report.skipped[name] == "filtered out by filter_fn" and text != report.skipped[name]:
+            report.skipped[name] = text  # a stack the first pass left to this one
+
+
 def _quantized_modules(model):
     """(state_dict key prefix, module) of every module quantize_ gave a layer."""
     for name, module in model.named_modules():
@@ -232,7 +252,10 @@ def _qtensor_entries(model) -> set[str]:
     """The state_dict keys qtensor owns: each quantized layer's weight and its running state."""
     entries = set()
     for prefix, module in _quantized_modules(model):
-        entries.update(prefix + attribute for attribute in module._qtensor_layers)
+        # A dynamic expert stack's entry is its plain values, stored expert by expert, which
+        # transformers loads through its own key conversions.
+        stacks = {attribute for attribute, *_ in experts.stacks_of(module)}
+        entries.update(prefix + attribute for attribute in module._qtensor_layers if attribute not in stacks)
         entries.update(prefix + suffix for suffix in running_state(module))
     return entries
 

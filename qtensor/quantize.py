@@ -160,8 +160,6 @@ def quantize_(
         for site in linear_sites(module, name):
             seen.add((id(module), site.attribute))
             report.output_head = site.layer
-            if carries_quantizers(getattr(module, site.attribute)):
-                raise ValueError(f"quantize_: layer {site.layer!r} is already quantized. Call qtensor.dequantize_(model) first.")
             excluded_by = [pattern for pattern in exclude if _matches(pattern, site.layer, name)]
             matched.update(excluded_by)
             if excluded_by:
@@ -170,6 +168,8 @@ def quantize_(
             if filter_fn is not None and not filter_fn(module, name):
                 report.skipped[site.layer] = "filtered out by filter_fn"
                 continue
+            if carries_quantizers(getattr(module, site.attribute)):  # a layer left out above may be
+                raise ValueError(f"quantize_: layer {site.layer!r} is already quantized. Call qtensor.dequantize_(model) first.")
             quantizers = recipe.quantizers_for("experts" if site.experts else "linear", site.layer)
             if all(q is None for q in quantizers.values()):
                 report.skipped[site.layer] = "the factory keeps every tensor in high precision"

@@ -111,18 +111,21 @@ def test_from_pretrained_never_holds_the_plain_model(tmp_path):
     assert peak < quantized + 0.25 * plain_bf16, (peak / 2**20, quantized / 2**20, plain_bf16 / 2**20)
 
 
-def test_mixtral_expert_stacks_are_named_as_left_in_high_precision(tmp_path):
-    """Mixtral's experts are fused [experts, rows, cols] parameters multiplied by a grouped GEMM, not
-    linear layers: the report says they stay in high precision, and strict=True refuses them."""
+def test_mixtral_expert_stacks_are_quantized_on_load_as_quantize_would(tmp_path):
+    """Mixtral's experts are fused [experts, rows, cols] parameters: loading with QTensorConfig
+    quantizes each stack (its experts cast one by one) as quantize_ does on the plain model, and the
+    router stays in high precision."""
     path = tmp_path / "mixtral"
     transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).save_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe="mxfp8"))
-    stacks = {layer: reason for layer, reason in model.qtensor_report.skipped.items() if "experts." in layer}
-    assert set(stacks) == {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
-    assert all("stack of 4" in reason and "high precision" in reason for reason in stacks.values())
+    stacks = {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
+    assert stacks <= set(model.qtensor_report.quantized)
+    assert all("a stack of 4 experts" in model.qtensor_report.quantized[name] for name in stacks)
+    assert "router" in model.qtensor_report.skipped["model.layers.0.mlp.gate"]
     plain = transformers.AutoModelForCausalLM.from_pretrained(path)
-    with pytest.raises(ValueError, match="experts.gate_up_proj"):
-        qtensor.quantize_(plain, qtensor.recipes.mxfp8(), strict=True)
+    qtensor.quantize_(plain, qtensor.recipes.mxfp8(), strict=True)
+    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(model(tokens).logits, plain(tokens).logits, rtol=0, atol=0)
 
 
 def test_the_loaded_model_trains(checkpoint):
@@ -285,7 +288,8 @@ def test_export_writes_a_plain_checkpoint_transformers_loads_without_qtensor(che
             if type(module).__name__ == "Conv1D" and isinstance(value, qtensor.QuantizedTensor):
                 expected = expected.t()  # a quantized Conv1D weight is held [out, in]; the checkpoint's is [in, out]
             assert torch.equal(loaded[name], expected), name
-    quantized_weights = [name + ".weight" for name in model.qtensor_report.quantized]
+    quantized_weights = [name for name, p in model.named_parameters() if getattr(p, "linear_quantizers", None) is not None]
+    assert len(quantized_weights) == len(model.qtensor_report.quantized)
     assert all(name in loaded and loaded[name].dtype == torch.bfloat16 for name in quantized_weights), quantized_weights
 
 
