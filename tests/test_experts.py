@@ -144,9 +144,7 @@ def test_a_grouped_gemm_with_bad_group_ends_says_what_they_must_be():
 
 
 def test_the_report_strict_exclude_and_a_role_for_experts_see_the_stacks():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    model = Qwen3MoeForCausalLM(tiny_config("qwen3_moe"))
+    model = tiny_model("qwen3_moe")
     stacks = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
     report = qtensor.quantize_(copy.deepcopy(model), qtensor.recipes.float8_current(), exclude=["lm_head"])
     assert all(name in report.quantized for name in stacks)
@@ -227,3 +225,36 @@ def test_a_hugging_face_moe_trains_its_experts_quantized_with_every_implementati
     np.testing.assert_allclose(first, first[0], rtol=1e-5)
     assert abs(first[0] - plain_loss) > 1e-6, "the experts ran in high precision"
     assert all(after < before for before, after in losses.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("call", list(GROUPED_CALLS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized_linear(case, call):
+    """As on the CPU, with the GPU's cast kernels (bit-identical to the references) and GEMMs: FP8
+    tensor cores for Float8 (fast accumulation in fprop), bf16 tensor cores over exact values for the
+    others. Their accumulation differs from fp32's, so the bound is 1e-3 of |A|·|B|, not 1e-5; a row
+    through the wrong expert or group would miss it by orders of magnitude."""
+    module, w = quantized_stack(case, transposed=call == "stored [E, K, N]")
+    module.cuda()
+    x, grad = varied(ROWS, K, seed=2), varied(ROWS, N, seed=3)
+    y, x_grad, w_grad = (t.cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), GROUPED_CALLS[call]))
+    w_grad = w_grad.transpose(1, 2) if module.is_transposed else w_grad
+    deq = CASES[case][1]
+    for expert, (start, end) in enumerate(zip([0, *ENDS], ENDS)):
+        if end == start:
+            assert torch.equal(w_grad[expert], torch.zeros(N, K))
+            continue
+        rows, xe, ge = slice(start, end), x[start:end].numpy(), grad[start:end].numpy()
+        gemm_within(y[rows], deq["input"](xe, "rowwise"), deq["weight"](w[expert], "rowwise").T)
+        gemm_within(x_grad[rows], deq["grad_output"](ge, "rowwise"), deq["weight"](w[expert], "columnwise"))
+        gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"))
+    assert not y[ENDS[-1]:].any() and not x_grad[ENDS[-1]:].any()
+
+
+def gemm_within(actual, a, b, relative=1e-3):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    error = np.abs(actual.detach().double().numpy() - a @ b)
+    bound = relative * (np.abs(a) @ np.abs(b)) + 1e-30
+    assert np.all(error <= bound), f"max error/bound {np.max(error / bound):.3g}"

@@ -5,7 +5,8 @@ A stack is one parameter `[experts, out_features, in_features]` (`gate_up_proj`,
 `is_transposed = True`, as gpt-oss's experts). `quantize_` makes it a dynamic weight over the whole
 stack carrying one `LinearQuantizers`; every use of it multiplies one expert's matrix at a time, cast
 on its own (its own per-tensor scale, its own row-wise, block or MX scales), by the layer's
-quantized linear (linear.py). The three ways a model multiplies a stack all come here:
+quantized linear (linear.py). routing.py recognises the three ways a model multiplies a stack and
+brings them here:
 
 - `F.linear(x, w[e])` (or `x @ w[e]` for a stack kept `[in, out]`): `w[e]` is a 2-D dynamic weight
   of the stack (dynamic_weight.py), and F.linear is that expert's quantized linear.
@@ -27,11 +28,6 @@ import torch
 from .config import carries_quantizers
 from .linear import quantized_linear
 
-_GROUPED_MMS = tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None)
-_BMMS = {torch.bmm, torch.Tensor.bmm}
-# What `intercept` may take: the routing asks it about these only.
-FUNCTIONS = frozenset({*_GROUPED_MMS, *_BMMS, torch.Tensor.__getitem__})
-
 
 def is_stack(tensor) -> bool:
     """A quantized layer's weight that is a stack of expert matrices."""
@@ -42,107 +38,6 @@ def stack_orientation(module) -> bool:
     """Whether `module` multiplies its stacks as stored (`[experts, in, out]`): transformers marks
     such experts modules `is_transposed`."""
     return bool(getattr(module, "is_transposed", False))
-
-
-class StackTranspose(torch.Tensor):
-    """`stack.transpose(-2, -1)` of an `[experts, out, in]` stack: the plain values (a view, attached
-    to autograd as usual) that remember their stack, so that a grouped GEMM over them runs each
-    expert's quantized linear. Any other op sees the plain values."""
-
-    stack: torch.Tensor
-
-    @staticmethod
-    def of(values: torch.Tensor, stack: torch.Tensor) -> "StackTranspose":
-        transposed = values.as_subclass(StackTranspose)
-        transposed.stack = stack
-        return transposed
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .routing import torch_function
-
-        return torch_function(func, args, kwargs or {})
-
-
-class GatheredExperts(torch.Tensor):
-    """`stack[expert_ids]`: the experts of each row, not gathered. A bmm with a row of inputs runs each
-    expert's quantized linear; any other op gets the gathered plain values, made then."""
-
-    stack: torch.Tensor
-    expert_ids: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, stack: torch.Tensor, expert_ids: torch.Tensor):
-        shape = (expert_ids.shape[0], *stack.shape[1:])
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=stack.dtype, device=stack.device)
-        self.stack, self.expert_ids = stack, expert_ids
-        return self
-
-    def gathered(self) -> torch.Tensor:
-        """The plain gathered values, attached to autograd through the stack."""
-        from .routing import plain
-
-        return plain(torch.Tensor.__getitem__, (self.stack, self.expert_ids), {})
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .routing import route
-
-        kwargs = kwargs or {}
-        result = route(func, args, kwargs)
-        if result is not NotImplemented:
-            return result
-        args, kwargs = torch.utils._pytree.tree_map_only(GatheredExperts, lambda g: g.gathered(), (args, kwargs))
-        return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        args, kwargs = torch.utils._pytree.tree_map_only(GatheredExperts, lambda g: g.gathered(), (args, kwargs or {}))
-        return func(*args, **kwargs)
-
-    def __repr__(self, *, tensor_contents=None):
-        return f"GatheredExperts(experts {self.expert_ids.tolist()} of a stack {list(self.stack.shape)})"
-
-
-def intercept(func, args, kwargs):
-    """The experts' quantized linears where `func` multiplies a stack; NotImplemented otherwise."""
-    if func in _GROUPED_MMS:
-        return _grouped(args, kwargs)
-    if func in _BMMS and len(args) == 2 and not kwargs:
-        return _batched(*args)
-    if func is torch.Tensor.__getitem__ and is_stack(args[0]):
-        index = args[1]
-        if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.dtype.is_floating_point and index.dtype != torch.bool:
-            return GatheredExperts(args[0], index)
-    return NotImplemented
-
-
-def transposed_stack(func, args, kwargs):
-    """`stack.transpose(-2, -1)` (or `.mT`) of an `[experts, out, in]` stack, as a `StackTranspose`."""
-    from .routing import plain
-
-    return StackTranspose.of(plain(func, args, kwargs), args[0])
-
-
-def _grouped(args, kwargs):
-    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    x, weight, offs = bound.get("mat_a"), bound.get("mat_b"), bound.get("offs")
-    if isinstance(weight, StackTranspose):
-        stack = weight.stack
-    elif is_stack(weight) and weight.linear_quantizers.transposed:  # an [experts, in, out] stack, as stored
-        stack = weight
-    else:
-        return NotImplemented
-    if offs is None or x is None or x.dim() != 2 or bound.get("bias") is not None or bound.get("out_dtype") is not None:
-        raise NotImplementedError(
-            f"{stack.linear_quantizers.name or 'An expert stack'}: qtensor runs a grouped GEMM of a 2-D input over an "
-            "expert stack with group ends (offs) and no bias or out_dtype; this call has input "
-            f"{None if x is None else list(x.shape)}, offs {'given' if offs is not None else 'missing'}. Add the bias after "
-            "the call, or keep the stack in high precision (quantize_(..., exclude=[...]))."
-        )
-    return grouped_linear(x, stack, offs)
 
 
 def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -162,20 +57,9 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
     return _joined(pieces, x, stack, x.shape[0] - start)
 
 
-def _batched(a, b):
-    """torch.bmm(stack[ids], x[..., None]) (an `[experts, out, in]` stack) or
-    torch.bmm(x[:, None], stack[ids]) (an `[experts, in, out]` one): each row through its expert."""
-    if isinstance(a, GatheredExperts) and not a.stack.linear_quantizers.transposed and b.dim() == 3 and b.shape[-1] == 1:
-        gathered, x = a, b.squeeze(-1)
-        return _rows_through_experts(x, gathered).unsqueeze(-1)
-    if isinstance(b, GatheredExperts) and b.stack.linear_quantizers.transposed and a.dim() == 3 and a.shape[1] == 1:
-        gathered, x = b, a.squeeze(1)
-        return _rows_through_experts(x, gathered).unsqueeze(1)
-    return NotImplemented
-
-
-def _rows_through_experts(x: torch.Tensor, gathered: GatheredExperts) -> torch.Tensor:
-    ids, stack = gathered.expert_ids, gathered.stack
+def rows_through_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row i of `x` through expert `ids[i]`'s quantized linear: each expert's rows, in the order they
+    come, as one group."""
     if ids.shape[0] != x.shape[0]:
         raise ValueError(f"torch.bmm over gathered experts: {ids.shape[0]} experts for {x.shape[0]} rows.")
     order = torch.sort(ids, stable=True).indices  # each expert's rows in the order they come

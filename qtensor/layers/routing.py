@@ -48,6 +48,9 @@ def _quantizing_now() -> bool:
 _TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.transpose, torch.transpose}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 _ADDMMS = {torch.addmm, torch.Tensor.addmm}
+_GROUPED_MMS = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None)
+_BMMS = {torch.bmm, torch.Tensor.bmm}
+_EXPERTS_CALLS = frozenset({*_GROUPED_MMS, *_BMMS, torch.Tensor.__getitem__})
 
 
 def _swaps_the_two_dims(args) -> bool:
@@ -78,8 +81,8 @@ def _multiplies_as_stored(weight) -> bool:
 
 def intercept(func, args, kwargs):
     """Route the calls that mean "this layer's linear" to `quantized_linear`; NotImplemented otherwise."""
-    if func in experts.FUNCTIONS:  # a grouped or batched GEMM over an expert stack (experts.py)
-        result = experts.intercept(func, args, kwargs)
+    if func in _EXPERTS_CALLS:  # a grouped or batched GEMM over an expert stack (experts.py)
+        result = _experts_call(func, args, kwargs)
         if result is not NotImplemented:
             return result
     if func is F.linear:
@@ -93,7 +96,7 @@ def intercept(func, args, kwargs):
                 values = func(*args, **kwargs)
             return TransposedWeight.of(values, weight)
         if experts.is_stack(weight) and not _multiplies_as_stored(weight) and _swaps_the_last_two_of_three(func, args):
-            return experts.transposed_stack(func, args, kwargs)
+            return StackTranspose.of(plain(func, args, kwargs), weight)
     elif func in _MATMULS:
         if len(args) == 2 and not kwargs:
             if isinstance(args[1], TransposedWeight):
@@ -179,3 +182,103 @@ class TransposedWeight(torch.Tensor):
         return torch_function(func, args, kwargs or {})
 
 
+# ---- expert stacks (experts.py): the calls that multiply one, and what stands for a view of one ----
+class StackTranspose(torch.Tensor):
+    """`stack.transpose(-2, -1)` of an `[experts, out, in]` stack: the plain values (a view, attached
+    to autograd as usual) that remember their stack, so that a grouped GEMM over them runs each
+    expert's quantized linear. Any other op sees the plain values."""
+
+    stack: torch.Tensor
+
+    @staticmethod
+    def of(values: torch.Tensor, stack: torch.Tensor) -> "StackTranspose":
+        transposed = values.as_subclass(StackTranspose)
+        transposed.stack = stack
+        return transposed
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return torch_function(func, args, kwargs or {})
+
+
+class GatheredExperts(torch.Tensor):
+    """`stack[expert_ids]`: the experts of each row, not gathered. A bmm with a row of inputs runs each
+    expert's quantized linear; any other op gets the gathered plain values, made then."""
+
+    stack: torch.Tensor
+    expert_ids: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, stack: torch.Tensor, expert_ids: torch.Tensor):
+        shape = (expert_ids.shape[0], *stack.shape[1:])
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=stack.dtype, device=stack.device)
+        self.stack, self.expert_ids = stack, expert_ids
+        return self
+
+    def gathered(self) -> torch.Tensor:
+        """The plain gathered values, attached to autograd through the stack."""
+        return plain(torch.Tensor.__getitem__, (self.stack, self.expert_ids), {})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = route(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
+        args, kwargs = torch.utils._pytree.tree_map_only(GatheredExperts, lambda g: g.gathered(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = torch.utils._pytree.tree_map_only(GatheredExperts, lambda g: g.gathered(), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"GatheredExperts(experts {self.expert_ids.tolist()} of a stack {list(self.stack.shape)})"
+
+
+def _experts_call(func, args, kwargs):
+    """The experts' quantized linears where `func` multiplies an expert stack (layers/experts.py);
+    NotImplemented otherwise."""
+    if func in _GROUPED_MMS:
+        return _grouped(args, kwargs)
+    if func in _BMMS and len(args) == 2 and not kwargs:
+        return _batched(*args)
+    if func is torch.Tensor.__getitem__ and experts.is_stack(args[0]):
+        index = args[1]
+        if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.dtype.is_floating_point and index.dtype != torch.bool:
+            return GatheredExperts(args[0], index)
+    return NotImplemented
+
+
+def _grouped(args, kwargs):
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x, weight, offs = bound.get("mat_a"), bound.get("mat_b"), bound.get("offs")
+    if isinstance(weight, StackTranspose):
+        stack = weight.stack
+    elif experts.is_stack(weight) and weight.linear_quantizers.transposed:  # an [experts, in, out] stack, as stored
+        stack = weight
+    else:
+        return NotImplemented
+    if offs is None or x is None or x.dim() != 2 or bound.get("bias") is not None or bound.get("out_dtype") is not None:
+        raise NotImplementedError(
+            f"{stack.linear_quantizers.name or 'An expert stack'}: qtensor runs a grouped GEMM of a 2-D input over an "
+            "expert stack with group ends (offs) and no bias or out_dtype; this call has input "
+            f"{None if x is None else list(x.shape)}, offs {'given' if offs is not None else 'missing'}. Add the bias after "
+            "the call, or keep the stack in high precision (quantize_(..., exclude=[...]))."
+        )
+    return experts.grouped_linear(x, stack, offs)
+
+
+def _batched(a, b):
+    """torch.bmm(stack[ids], x[..., None]) (an `[experts, out, in]` stack) or
+    torch.bmm(x[:, None], stack[ids]) (an `[experts, in, out]` one): each row through its expert."""
+    if isinstance(a, GatheredExperts) and not a.stack.linear_quantizers.transposed and b.dim() == 3 and b.shape[-1] == 1:
+        gathered, x = a, b.squeeze(-1)
+        return experts.rows_through_experts(x, gathered.stack, gathered.expert_ids).unsqueeze(-1)
+    if isinstance(b, GatheredExperts) and b.stack.linear_quantizers.transposed and a.dim() == 3 and a.shape[1] == 1:
+        gathered, x = b, a.squeeze(1)
+        return experts.rows_through_experts(x, gathered.stack, gathered.expert_ids).unsqueeze(1)
+    return NotImplemented

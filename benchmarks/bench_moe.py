@@ -1,0 +1,115 @@
+"""Speed of a mixture of experts' expert stacks: bf16 grouped GEMMs against qtensor's recipes (GPU).
+
+    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--systems bf16,float8_current,...] [--steps 10]
+
+One experts layer as torchtitan and transformers' `grouped_mm` implementation run it: tokens sorted
+by expert, `gate_up = grouped_mm(x, gate_up_proj^T, offs)`, SiLU(gate)·up, `grouped_mm(h, down_proj^T,
+offs)`; a forward and backward a step, bf16 autocast, fp32 parameters (bf16 and torchao multiply their bf16
+casts, as autocast gives a linear). Shapes:
+
+- mixtral: 32,768 routed rows, 8 experts, hidden 4096, expert width 14336 (top-2 of 16,384 tokens);
+- qwen3: 131,072 routed rows, 128 experts, hidden 2048, expert width 768 (top-8 of 16,384 tokens);
+
+groups balanced (equal sizes, multiples of 16). "torchao rowwise" (where importable) runs torchao's
+`_to_fp8_rowwise_then_scaled_grouped_mm` for both GEMMs. Prints tokens/s (routed rows), × bf16 and
+peak memory per system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtensor
+
+SHAPES = {"mixtral": (32768, 8, 4096, 14336), "qwen3": (131072, 128, 2048, 768)}
+RECIPES = ["float8_current", "float8_rowwise", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+
+
+class Experts(nn.Module):
+    def __init__(self, experts: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * width, hidden) * hidden**-0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
+        self.grouped_mm = F.grouped_mm
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.grouped_mm is not F.grouped_mm or not hasattr(gate_up, "linear_quantizers"):
+            # grouped_mm is outside autocast: the fp32 parameters cast to bf16, as autocast casts a linear's
+            gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
+        gate, up = self.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return self.grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+
+
+def torchao_grouped_mm():
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+    except ImportError:
+        return None
+    return lambda a, b, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+
+
+def measure(system: str, shape: str, steps: int) -> dict:
+    rows, experts, hidden, width = SHAPES[shape]
+    torch.manual_seed(0)
+    model = Experts(experts, hidden, width).cuda()
+    if system == "torchao rowwise":
+        model.grouped_mm = torchao_grouped_mm()
+    elif system != "bf16":
+        qtensor.quantize_(model, getattr(qtensor.recipes, system)())
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
+    grad = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = model(x, offs)
+        y.backward(grad)
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"tokens_per_s": rows / statistics.median(times), "ms": statistics.median(times) * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="mixtral,qwen3")
+    parser.add_argument("--systems", default=None, help="comma-separated (default: bf16, torchao rowwise where importable, every recipe)")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    systems = args.systems.split(",") if args.systems else ["bf16", *(["torchao rowwise"] if torchao_grouped_mm() else []), *RECIPES]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; forward+backward of one experts layer, median of {args.steps} steps")
+    print(f"{'shape':<8} {'system':<24} {'rows/s':>12} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
+    for shape in args.shapes.split(","):
+        base = None
+        for system in systems:
+            try:
+                row = measure(system, shape, args.steps)
+            except Exception as error:  # one system's failure is a row
+                print(f"{shape:<8} {system:<24} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
+                continue
+            base = base or (row["tokens_per_s"] if system == "bf16" else None)
+            ratio = f"{row['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
+            print(f"{shape:<8} {system:<24} {row['tokens_per_s']:>12,.0f} {row['ms']:>9.2f} {ratio} {row['peak_gib']:>9.2f}", flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
