@@ -126,6 +126,31 @@ def test_one_expert_of_a_stack_is_a_quantized_linear_of_its_own(case):
     assert not module.weight_stack.grad[[0, 2, 3]].any()
 
 
+@pytest.mark.parametrize("frozen", ["nothing", "stack", "input"])
+@pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
+def test_the_grouped_gemm_equals_each_experts_dense_quantized_linear(override, frozen):
+    """The grouped GEMM (one autograd Function over the stack) gives, group by group, what each
+    expert's own quantized linear gives (F.linear on that expert's matrix, the dense layer the
+    oracle tests check), for every backward override and with the stack or the input frozen."""
+    results = []
+    for grouped in (True, False):
+        module = Stack()
+        qtensor.quantize_(module, qtensor.Recipe(factory_for("hybrid"), backward_override=override))
+        module.weight_stack.requires_grad_(frozen != "stack")
+        x = varied(ROWS, K, seed=2).requires_grad_(frozen != "input")
+        if grouped:
+            y = F.grouped_mm(x, module.weight_stack.transpose(-2, -1), offs=torch.tensor(ENDS, dtype=torch.int32))[: ENDS[-1]]
+        else:
+            y = torch.cat([F.linear(x[a:b], module.weight_stack[e]) for e, (a, b) in enumerate(zip([0, *ENDS], ENDS)) if b > a])
+        y.backward(varied(ENDS[-1], N, seed=3))
+        results.append((y.detach(), x.grad, module.weight_stack.grad))
+    for grouped_result, dense_result in zip(*results):
+        if dense_result is None:
+            assert grouped_result is None
+        else:
+            torch.testing.assert_close(grouped_result[: len(dense_result)], dense_result, rtol=1e-6, atol=1e-6)
+
+
 def test_inside_high_precision_a_stack_multiplies_its_own_values():
     module, _ = quantized_stack("mxfp8")
     x = varied(ROWS, K, seed=2)

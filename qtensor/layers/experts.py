@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import grouped_linear as grouped
 from .config import carries_quantizers
 from .linear import quantized_linear
 
@@ -49,6 +50,9 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
             f"{stack.linear_quantizers.name or 'An expert stack'}: grouped GEMM offsets {ends} must be {stack.shape[0]} "
             f"non-decreasing group ends within the input's {x.shape[0]} rows."
         )
+    # A dynamic stack (its values quantized at use), outside torch.compile, without running state to note.
+    if stack.quantized_at_use and not stack.linear_quantizers.records_amaxes and not torch.compiler.is_compiling():
+        return grouped.grouped_linear(x, stack, ends)  # the whole stack in one autograd Function
     pieces, start = [], 0
     for expert, end in enumerate(ends):
         if end > start:

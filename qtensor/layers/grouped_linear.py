@@ -1,0 +1,99 @@
+"""An expert stack's grouped linear: `grouped_mm(x, stack, offs)` with each group of rows through its
+expert's quantized linear, as one autograd Function over the whole stack (layers/experts.py).
+
+Each group's input, each hit expert's matrix and each group's gradient is cast on its own, with the
+usages its backward needs, exactly as that expert's quantized linear would cast them (linear.py); the
+products run group by group (gemm/grouped.py). The weight gradient is written straight into the
+stack's gradient, expert by expert: no per-expert autograd node, no gradient of the whole stack per
+expert.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import gemm
+from ..core.quantizer import INPUT_DTYPES
+from .config import LinearQuantizers
+from .linear import _output_dtype, _pack_saved, _quantize, _unpack_saved
+from ..core.tensor import QuantizedTensor
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """y[rows of group g] = x[rows of g] · W_eᵀ over the groups `ends` gives (empty groups skipped)."""
+
+    @staticmethod
+    def forward(ctx, x, stack, groups: tuple, linear: LinearQuantizers, needs_grad: tuple):
+        input_needs_grad, weight_needs_grad = needs_grad
+        override = linear.backward_override
+        quantized_backward = override is None
+        values = stack.plain()
+        out_features = stack.shape[-1] if linear.transposed else stack.shape[-2]
+        out = x.new_zeros((x.shape[0], out_features), dtype=_output_dtype(x, stack))
+        operands, saved, rebuilds = [], [], []
+        for expert, start, end in groups:
+            x_g, w_e = x[start:end], values[expert].t() if linear.transposed else values[expert]
+            x_q = _quantize(linear.input, x_g, rowwise=True, columnwise=weight_needs_grad and quantized_backward)
+            w_q = _quantize(linear.weight, w_e, rowwise=True, columnwise=input_needs_grad and quantized_backward)
+            operands.append((x_q, w_q))
+            if override is None:
+                keep = ((x_q, "columnwise"), (w_q, "columnwise"))
+            elif override == "dequantized":
+                keep = ((x_q, "rowwise"), (w_q, "rowwise"))
+            else:  # high_precision: the original operands
+                keep = ((x_g, None), (w_e, None))
+            for (tensor, direction), needed in zip(keep, (weight_needs_grad, input_needs_grad)):
+                tensors, rebuild = _pack_saved(tensor, direction) if needed else ([None], None)
+                rebuilds.append((len(tensors), rebuild))
+                saved.extend(tensors)
+        gemm.grouped.fprop(out, groups, operands, fast_accumulation=linear.fprop_fast_accumulation)
+        ctx.save_for_backward(*saved)
+        ctx.rebuilds, ctx.groups, ctx.linear, ctx.needs_grad = rebuilds, groups, linear, needs_grad
+        ctx.shapes = (x.shape, x.dtype, stack.shape, stack.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        linear, groups = ctx.linear, ctx.groups
+        input_needs_grad, weight_needs_grad = ctx.needs_grad
+        x_shape, x_dtype, stack_shape, stack_dtype = ctx.shapes
+        saved, position, pairs = ctx.saved_tensors, 0, []
+        for count, rebuild in ctx.rebuilds:
+            pairs.append(_unpack_saved(saved[position:position + count], rebuild))
+            position += count
+        saved_x, saved_w = pairs[0::2], pairs[1::2]
+        if linear.backward_override == "dequantized":
+            dequantized = lambda t: t.dequantize(torch.float32, "rowwise") if isinstance(t, QuantizedTensor) else t
+            saved_x, saved_w = [dequantized(t) for t in saved_x], [dequantized(t) for t in saved_w]
+        grads = []
+        for _, start, end in groups:
+            grad_g = grad_out[start:end]
+            if linear.backward_override is None:
+                grad_g = _quantize(linear.grad_output, grad_g, rowwise=input_needs_grad, columnwise=weight_needs_grad)
+            grads.append(grad_g)
+        grad_x = grad_stack = None
+        if input_needs_grad:
+            grad_x = torch.zeros(x_shape, dtype=x_dtype, device=grad_out.device)
+            gemm.grouped.dgrad(grad_x, groups, list(zip(grads, saved_w)))
+        if weight_needs_grad:
+            grad_stack = torch.zeros(stack_shape, dtype=stack_dtype, device=grad_out.device)
+            gemm.grouped.wgrad(grad_stack, groups, list(zip(grads, saved_x)), transposed=linear.transposed)
+        return grad_x, grad_stack, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    """The groups `ends` marks (cumulative row ends, one per expert) through their experts' quantized
+    linears; rows past the last end zero."""
+    linear = stack.linear_quantizers
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{linear.name or 'An expert stack'}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
+    if x.shape[-1] != stack.in_features:
+        raise ValueError(
+            f"{linear.name or 'An expert stack'}: input of shape {list(x.shape)} does not match the stack {list(stack.shape)}; "
+            f"the input's last dimension must be {stack.in_features}."
+        )
+    groups = tuple((expert, start, end) for expert, (start, end) in enumerate(zip([0, *ends], ends)) if end > start)
+    grad_enabled = torch.is_grad_enabled()
+    needs = (grad_enabled and x.requires_grad, grad_enabled and stack.requires_grad)
+    with torch._C.DisableTorchFunctionSubclass():
+        return GroupedLinearFunction.apply(x, stack, groups, linear, needs)
