@@ -283,3 +283,20 @@ def gemm_within(actual, a, b, relative=1e-3):
     error = np.abs(actual.detach().double().numpy() - a @ b)
     bound = relative * (np.abs(a) @ np.abs(b)) + 1e-30
     assert np.all(error <= bound), f"max error/bound {np.max(error / bound):.3g}"
+
+
+def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
+    """FSDP2 over 2 gloo ranks shards a dynamic stack along its experts and gathers its values for
+    each use (a gather of the stack's high-precision values: its casts, one per expert, run on the
+    gathered stack); three steps of every recipe end where one process ends."""
+    import workers
+
+    out = tmp_path / "results.pt"
+    workers.launch("experts_fsdp_case.py", out, world=2, timeout=300)
+    results = torch.load(out, weights_only=False)
+    for recipe, result in results.items():
+        assert set(result["types"].values()) == {"DynamicWeight"}, recipe
+        np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5, err_msg=recipe)
+        for name, expected in result["expected"].items():
+            gathered = result["gathered"][name]
+            torch.testing.assert_close(getattr(gathered, "plain", lambda: gathered)(), expected, rtol=1e-5, atol=1e-6)

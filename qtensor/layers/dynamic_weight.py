@@ -273,9 +273,11 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         return (self.values_version(), dtype, self.linear_quantizers.weight.state_version())
 
     def _casts_shard(self) -> bool:
-        """Whether FSDP2's hook quantizes this shard (else it gathers high-precision values)."""
+        """Whether FSDP2's hook quantizes this shard (else it gathers high-precision values). An expert
+        stack gathers its values: each expert's cast is its own, which a cast of a shard of experts
+        as one matrix would not be."""
         linear = self.linear_quantizers
-        return linear.weight is not None and not linear.transposed
+        return linear.weight is not None and not linear.transposed and self.dim() == 2
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
