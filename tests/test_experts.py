@@ -68,7 +68,15 @@ GROUPED_CALLS = {
     "F.grouped_mm": lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ENDS, dtype=torch.int32)),
     "torch._grouped_mm": lambda m, x: torch._grouped_mm(x, m.weight_stack.transpose(-2, -1), torch.tensor(ENDS, dtype=torch.int32)),
     "stored [E, K, N]": lambda m, x: torch._grouped_mm(x, m.weight_stack, offs=torch.tensor(ENDS, dtype=torch.int32)),
+    # transformers' own grouped GEMM (a custom op), which its grouped_mm experts call under torch.compile
+    "transformers fallback": lambda m, x: transformers_fallback()(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ENDS, dtype=torch.int32)),
 }
+
+
+def transformers_fallback():
+    import transformers.integrations.moe  # noqa: F401 (registers the op)
+
+    return torch.ops.transformers.grouped_mm_fallback
 
 
 @pytest.mark.parametrize("call", list(GROUPED_CALLS))
@@ -149,6 +157,29 @@ def test_the_grouped_gemm_equals_each_experts_dense_quantized_linear(override, f
             assert grouped_result is None
         else:
             torch.testing.assert_close(grouped_result[: len(dense_result)], dense_result, rtol=1e-6, atol=1e-6)
+
+
+def test_a_grouped_gemm_over_a_stack_read_the_wrong_way_round_is_refused():
+    module, _ = quantized_stack("mxfp8")
+    with pytest.raises(NotImplementedError, match=r"reads a stack as \[experts, in, out\]; this one is \[experts, out, in\]"):
+        F.grouped_mm(varied(ROWS, N, seed=2), module.weight_stack, offs=torch.tensor(ENDS, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_a_compiled_moe_runs_its_experts_quantized(implementation):
+    """Under torch.compile each experts implementation runs the stacks' quantized linears (eagerly, a
+    graph break around each call over a stack): the compiled loss is the eager one, not the loss of
+    the model whose experts stay in high precision (transformers' grouped_mm experts call its own
+    grouped GEMM op under compile, which qtensor takes too)."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for keep in ([], ["*.experts"]):
+        model = tiny_model("qwen3_moe")
+        qtensor.quantize_(model, qtensor.recipes.float8_current(), exclude=["lm_head", *keep])
+        model.set_experts_implementation(implementation)
+        losses.append((model(ids, labels=ids).loss.item(), torch.compile(model)(ids, labels=ids).loss.item()))
+    (eager, compiled), (plain_experts, _) = losses
+    assert compiled == eager and eager != plain_experts
 
 
 def test_inside_high_precision_a_stack_multiplies_its_own_values():

@@ -288,7 +288,11 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         plain_args, plain_kwargs = tree_map_only(DynamicWeight, lambda t: t._data, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
         _count_writes(func, args, kwargs)
-        expert = func is aten.select.int and args[0].dim() == 3 and args[1] in (0, -3)  # one matrix of an expert stack
+        # An expert stack's pieces: one expert's matrix, and the stack with its matrices the other way
+        # round (`stack.transpose(-2, -1)`, which a grouped GEMM reads; layers/experts.py).
+        expert = args and getattr(args[0], "ndim", 0) == 3 and (
+            (func is aten.select.int and args[1] in (0, -3)) or (func is aten.transpose.int and {args[1] % 3, args[2] % 3} == {1, 2})
+        )
         if (func in _DYNAMIC_WEIGHT_PIECES or expert) and _keeps_float(func, out):
             source = weights[0]
             # An alias shares the write log (a write through it changes the source's values).

@@ -35,12 +35,23 @@ def is_stack(tensor) -> bool:
     return carries_quantizers(tensor) and tensor.dim() == 3
 
 
+def reads_in_out(stack) -> bool:
+    """Whether `stack` (or the view of it a model passes) holds its matrices as [in, out]: a stack kept
+    so (`is_transposed`), or `stack.transpose(-2, -1)` of an [out, in] one, a view whose last two
+    dimensions run the other way round in memory (and the reverse)."""
+    swapped = stack.stride(-1) != 1 and stack.stride(-2) == 1
+    return stack.linear_quantizers.transposed != swapped
+
+
 def stack_orientation(module) -> bool:
     """Whether `module` multiplies its stacks as stored (`[experts, in, out]`): transformers marks
     such experts modules `is_transposed`."""
     return bool(getattr(module, "is_transposed", False))
 
 
+# Run eagerly inside a compiled model (a graph break each): the groups' rows are read from `offs`,
+# data the compiled graph does not know.
+@torch.compiler.disable
 def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`grouped_mm(x, stack as [experts, in, out], offs=offs)`: rows `offs[e - 1]:offs[e]` through
     expert e's quantized linear; rows past `offs[-1]` zero."""
@@ -51,16 +62,18 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
             f"non-decreasing group ends within the input's {x.shape[0]} rows."
         )
     # A dynamic stack (its values quantized at use), outside torch.compile, without running state to note.
+    in_out = reads_in_out(stack)
     if stack.quantized_at_use and not stack.linear_quantizers.records_amaxes and not torch.compiler.is_compiling():
-        return grouped.grouped_linear(x, stack, ends)  # the whole stack in one autograd Function
+        return grouped.grouped_linear(x, stack, ends, in_out)  # the whole stack in one autograd Function
     pieces, start = [], 0
     for expert, end in enumerate(ends):
         if end > start:
-            pieces.append(_expert_linear(x[start:end], stack, expert))
+            pieces.append(_expert_linear(x[start:end], stack, expert, in_out))
         start = end
-    return _joined(pieces, x, stack, x.shape[0] - start)
+    return _joined(pieces, x, stack, x.shape[0] - start, in_out)
 
 
+@torch.compiler.disable
 def rows_through_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Row i of `x` through expert `ids[i]`'s quantized linear: each expert's rows, in the order they
     come, as one group."""
@@ -68,17 +81,20 @@ def rows_through_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
         raise ValueError(f"torch.bmm over gathered experts: {ids.shape[0]} experts for {x.shape[0]} rows.")
     order = torch.sort(ids, stable=True).indices  # each expert's rows in the order they come
     counts = torch.bincount(ids, minlength=stack.shape[0])
-    grouped = grouped_linear(x[order], stack, counts.cumsum(0))
+    grouped = grouped_linear(x[order], stack, counts.cumsum(0))  # gathered experts: the stack as kept
     return grouped[torch.argsort(order)]
 
 
-def _expert_linear(x: torch.Tensor, stack: torch.Tensor, expert: int) -> torch.Tensor:
-    return quantized_linear(x, stack[expert])  # stack[expert]: that expert's 2-D dynamic weight
+def _expert_linear(x: torch.Tensor, stack: torch.Tensor, expert: int, in_out: bool) -> torch.Tensor:
+    weight = stack[expert]  # that expert's 2-D weight
+    if in_out == stack.linear_quantizers.transposed:
+        return quantized_linear(x, weight)
+    return quantized_linear(x, weight.t())  # a view of the stack the other way round: its matrix as stored
 
 
-def _joined(pieces, x, stack, missing_rows: int) -> torch.Tensor:
+def _joined(pieces, x, stack, missing_rows: int, in_out: bool) -> torch.Tensor:
     if missing_rows or not pieces:
-        out_features = stack.shape[-1] if stack.linear_quantizers.transposed else stack.shape[-2]
+        out_features = stack.shape[-1] if in_out else stack.shape[-2]
         dtype = pieces[0].dtype if pieces else x.dtype
         pieces.append(x.new_zeros((missing_rows, out_features), dtype=dtype))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -23,16 +23,16 @@ class GroupedLinearFunction(torch.autograd.Function):
     """y[rows of group g] = x[rows of g] · W_eᵀ over the groups `ends` gives (empty groups skipped)."""
 
     @staticmethod
-    def forward(ctx, x, stack, groups: tuple, linear: LinearQuantizers, needs_grad: tuple):
+    def forward(ctx, x, stack, groups: tuple, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
         input_needs_grad, weight_needs_grad = needs_grad
         override = linear.backward_override
         quantized_backward = override is None
-        values = stack.plain()
-        out_features = stack.shape[-1] if linear.transposed else stack.shape[-2]
+        values = stack.plain()  # [experts, out, in], or [experts, in, out] where `in_out`
+        out_features = stack.shape[-1] if in_out else stack.shape[-2]
         out = x.new_zeros((x.shape[0], out_features), dtype=_output_dtype(x, stack))
         operands, saved, rebuilds = [], [], []
         for expert, start, end in groups:
-            x_g, w_e = x[start:end], values[expert].t() if linear.transposed else values[expert]
+            x_g, w_e = x[start:end], values[expert].t() if in_out else values[expert]
             x_q = _quantize(linear.input, x_g, rowwise=True, columnwise=weight_needs_grad and quantized_backward)
             w_q = _quantize(linear.weight, w_e, rowwise=True, columnwise=input_needs_grad and quantized_backward)
             operands.append((x_q, w_q))
@@ -48,7 +48,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 saved.extend(tensors)
         gemm.grouped.fprop(out, groups, operands, fast_accumulation=linear.fprop_fast_accumulation)
         ctx.save_for_backward(*saved)
-        ctx.rebuilds, ctx.groups, ctx.linear, ctx.needs_grad = rebuilds, groups, linear, needs_grad
+        ctx.rebuilds, ctx.groups, ctx.linear, ctx.needs_grad, ctx.in_out = rebuilds, groups, linear, needs_grad, in_out
         ctx.shapes = (x.shape, x.dtype, stack.shape, stack.dtype)
         return out
 
@@ -77,23 +77,24 @@ class GroupedLinearFunction(torch.autograd.Function):
             gemm.grouped.dgrad(grad_x, groups, list(zip(grads, saved_w)))
         if weight_needs_grad:
             grad_stack = torch.zeros(stack_shape, dtype=stack_dtype, device=grad_out.device)
-            gemm.grouped.wgrad(grad_stack, groups, list(zip(grads, saved_x)), transposed=linear.transposed)
-        return grad_x, grad_stack, None, None, None
+            gemm.grouped.wgrad(grad_stack, groups, list(zip(grads, saved_x)), transposed=ctx.in_out)
+        return grad_x, grad_stack, None, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int]) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out: bool) -> torch.Tensor:
     """The groups `ends` marks (cumulative row ends, one per expert) through their experts' quantized
-    linears; rows past the last end zero."""
+    linears, the stack's matrices read as [in, out] where `in_out`; rows past the last end zero."""
     linear = stack.linear_quantizers
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{linear.name or 'An expert stack'}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
-    if x.shape[-1] != stack.in_features:
+    in_features = stack.shape[-2] if in_out else stack.shape[-1]
+    if x.shape[-1] != in_features:
         raise ValueError(
             f"{linear.name or 'An expert stack'}: input of shape {list(x.shape)} does not match the stack {list(stack.shape)}; "
-            f"the input's last dimension must be {stack.in_features}."
+            f"the input's last dimension must be {in_features}."
         )
     groups = tuple((expert, start, end) for expert, (start, end) in enumerate(zip([0, *ends], ends)) if end > start)
     grad_enabled = torch.is_grad_enabled()
     needs = (grad_enabled and x.requires_grad, grad_enabled and stack.requires_grad)
     with torch._C.DisableTorchFunctionSubclass():
-        return GroupedLinearFunction.apply(x, stack, groups, linear, needs)
+        return GroupedLinearFunction.apply(x, stack, groups, linear, needs, in_out)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import experts
 from .attention import multi_head_attention
+from ..core.kernels import is_fake
 from .config import carries_quantizers
 from .linear import quantized_linear
 
@@ -60,13 +61,6 @@ def _swaps_the_two_dims(args) -> bool:
     return args[1] % 2 != args[2] % 2
 
 
-def _swaps_the_last_two_of_three(func, args) -> bool:
-    """`.mT`, or transpose(a, b) with a and b the last two dims of a 3-D tensor."""
-    if func is torch.Tensor.mT.__get__:
-        return True
-    return func in (torch.Tensor.transpose, torch.transpose) and len(args) >= 3 and {args[1] % 3, args[2] % 3} == {1, 2}
-
-
 def _linear_args(args, kwargs):
     names = ("input", "weight", "bias")
     bound = dict(zip(names, args))
@@ -81,7 +75,7 @@ def _multiplies_as_stored(weight) -> bool:
 
 def intercept(func, args, kwargs):
     """Route the calls that mean "this layer's linear" to `quantized_linear`; NotImplemented otherwise."""
-    if func in _EXPERTS_CALLS:  # a grouped or batched GEMM over an expert stack (experts.py)
+    if func in _EXPERTS_CALLS or _is_grouped_mm_op(func):  # a grouped or batched GEMM over an expert stack (experts.py)
         result = _experts_call(func, args, kwargs)
         if result is not NotImplemented:
             return result
@@ -95,8 +89,6 @@ def intercept(func, args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 values = func(*args, **kwargs)
             return TransposedWeight.of(values, weight)
-        if experts.is_stack(weight) and not _multiplies_as_stored(weight) and _swaps_the_last_two_of_three(func, args):
-            return StackTranspose.of(plain(func, args, kwargs), weight)
     elif func in _MATMULS:
         if len(args) == 2 and not kwargs:
             if isinstance(args[1], TransposedWeight):
@@ -183,24 +175,6 @@ class TransposedWeight(torch.Tensor):
 
 
 # ---- expert stacks (experts.py): the calls that multiply one, and what stands for a view of one ----
-class StackTranspose(torch.Tensor):
-    """`stack.transpose(-2, -1)` of an `[experts, out, in]` stack: the plain values (a view, attached
-    to autograd as usual) that remember their stack, so that a grouped GEMM over them runs each
-    expert's quantized linear. Any other op sees the plain values."""
-
-    stack: torch.Tensor
-
-    @staticmethod
-    def of(values: torch.Tensor, stack: torch.Tensor) -> "StackTranspose":
-        transposed = values.as_subclass(StackTranspose)
-        transposed.stack = stack
-        return transposed
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return torch_function(func, args, kwargs or {})
-
-
 class GatheredExperts(torch.Tensor):
     """`stack[expert_ids]`: the experts of each row, not gathered. A bmm with a row of inputs runs each
     expert's quantized linear; any other op gets the gathered plain values, made then."""
@@ -237,16 +211,40 @@ class GatheredExperts(torch.Tensor):
         return f"GatheredExperts(experts {self.expert_ids.tolist()} of a stack {list(self.stack.shape)})"
 
 
+def _refuse_traced(stack) -> None:
+    if torch.compiler.is_compiling() or is_fake(stack):
+        raise NotImplementedError(
+            f"{stack.linear_quantizers.name or 'An expert stack'}: torch.compile traced a batched GEMM over gathered "
+            "experts of a quantized stack, which qtensor does not trace yet. Run the experts module eagerly inside the "
+            "compiled model (experts.forward = torch.compiler.disable(experts.forward)), or use transformers' "
+            "'eager' or 'grouped_mm' experts implementation."
+        )
+
+
+# transformers' own grouped GEMM, which its grouped_mm experts call where torch's is not taken (under
+# torch.compile with float32 operands, for one): a custom op, the same call as torch._grouped_mm.
+_GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
+
+
+def _is_grouped_mm_op(func) -> bool:
+    name = getattr(func, "_qualified_op_name", None)  # an OpOverloadPacket
+    if name is None and isinstance(func, torch._ops.OpOverload):
+        name = func._schema.name
+    return name in _GROUPED_MM_OPS
+
+
+@torch.compiler.disable  # under torch.compile the experts run eagerly (a graph break each)
 def _experts_call(func, args, kwargs):
     """The experts' quantized linears where `func` multiplies an expert stack (layers/experts.py);
     NotImplemented otherwise."""
-    if func in _GROUPED_MMS:
+    if func in _GROUPED_MMS or _is_grouped_mm_op(func):
         return _grouped(args, kwargs)
     if func in _BMMS and len(args) == 2 and not kwargs:
         return _batched(*args)
     if func is torch.Tensor.__getitem__ and experts.is_stack(args[0]):
         index = args[1]
         if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.dtype.is_floating_point and index.dtype != torch.bool:
+            _refuse_traced(args[0])
             return GatheredExperts(args[0], index)
     return NotImplemented
 
@@ -254,14 +252,18 @@ def _experts_call(func, args, kwargs):
 def _grouped(args, kwargs):
     names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
     bound = dict(zip(names, args))
-    bound.update(kwargs)
+    bound.update({{"input": "mat_a", "weight": "mat_b"}.get(name, name): value for name, value in kwargs.items()})
     x, weight, offs = bound.get("mat_a"), bound.get("mat_b"), bound.get("offs")
-    if isinstance(weight, StackTranspose):
-        stack = weight.stack
-    elif experts.is_stack(weight) and weight.linear_quantizers.transposed:  # an [experts, in, out] stack, as stored
-        stack = weight
-    else:
+    # An [experts, in, out] stack: one kept so, or `stack.transpose(-2, -1)` of an [experts, out, in] one.
+    if not experts.is_stack(weight):
         return NotImplemented
+    stack = weight
+    if not experts.reads_in_out(stack):
+        raise NotImplementedError(
+            f"{stack.linear_quantizers.name or 'An expert stack'}: a grouped GEMM reads a stack as [experts, in, out]; "
+            f"this one is [experts, out, in] ({list(stack.shape)}), which is not its layer's linear. Pass "
+            "stack.transpose(-2, -1), or keep the stack in high precision (quantize_(..., exclude=[...]))."
+        )
     if offs is None or x is None or x.dim() != 2 or bound.get("bias") is not None or bound.get("out_dtype") is not None:
         raise NotImplementedError(
             f"{stack.linear_quantizers.name or 'An expert stack'}: qtensor runs a grouped GEMM of a 2-D input over an "
