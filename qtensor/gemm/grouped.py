@@ -25,8 +25,7 @@ def dgrad(out: torch.Tensor, groups, operands) -> None:
         out[start:end] = dense.dgrad(grad, weight, out.dtype)
 
 
-def wgrad(out: torch.Tensor, groups, operands, *, transposed: bool = False) -> None:
-    """out[e] = dY_gᵀ · X_g (its transpose where the stack is kept [experts, in, out]) for each group."""
+def wgrad(out: torch.Tensor, groups, operands) -> None:
+    """out[e] = dY_gᵀ · X_g ([out_features, in_features]) for each group."""
     for (expert, _, _), (grad, x) in zip(groups, operands):
-        product = dense.wgrad(grad, x, out.dtype)
-        out[expert] = product.t() if transposed else product
+        out[expert] = dense.wgrad(grad, x, out.dtype)

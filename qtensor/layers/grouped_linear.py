@@ -76,8 +76,13 @@ class GroupedLinearFunction(torch.autograd.Function):
             grad_x = torch.zeros(x_shape, dtype=x_dtype, device=grad_out.device)
             gemm.grouped.dgrad(grad_x, groups, list(zip(grads, saved_w)))
         if weight_needs_grad:
-            grad_stack = torch.zeros(stack_shape, dtype=stack_dtype, device=grad_out.device)
-            gemm.grouped.wgrad(grad_stack, groups, list(zip(grads, saved_x)), transposed=ctx.in_out)
+            # Each expert's [out, in] product written whole; a stack read as [in, out] gets the transposed
+            # view of it (no strided copy: autograd hands a transposed view's base the [out, in] tensor).
+            experts, *matrix = stack_shape
+            out_in = matrix[::-1] if ctx.in_out else matrix
+            grad_stack = torch.zeros((experts, *out_in), dtype=stack_dtype, device=grad_out.device)
+            gemm.grouped.wgrad(grad_stack, groups, list(zip(grads, saved_x)))
+            grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
         return grad_x, grad_stack, None, None, None, None
 
 
