@@ -331,3 +331,19 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
         for name, expected in result["expected"].items():
             gathered = result["gathered"][name]
             torch.testing.assert_close(getattr(gathered, "plain", lambda: gathered)(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stack_saves_loads_and_dequantizes_as_its_plain_values(tmp_path):
+    """A dynamic stack's state_dict entry is its plain values; save_model / load_model carry them
+    byte for byte into another quantized model, and dequantize_ gives back a plain parameter."""
+    module = Stack()
+    qtensor.quantize_(module, qtensor.recipes.mxfp8())
+    values = module.weight_stack.detach().plain().clone()
+    assert type(module.state_dict()["weight_stack"]) is torch.Tensor
+    qtensor.save_model(module, tmp_path / "experts.safetensors")
+    other = Stack(seed=9)
+    qtensor.quantize_(other, qtensor.recipes.mxfp8())
+    qtensor.load_model(other, tmp_path / "experts.safetensors")
+    assert type(other.weight_stack).__name__ == "DynamicWeight" and torch.equal(other.weight_stack.detach().plain(), values)
+    qtensor.dequantize_(other)
+    assert type(other.weight_stack) is nn.Parameter and torch.equal(other.weight_stack.detach(), values)
