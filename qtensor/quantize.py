@@ -188,6 +188,8 @@ def quantize_(
                 transposed=site.transposed,
                 running=LayerRunning(amax_reduction_group),
             )
+            if site.experts and linear.records_amaxes:  # running state: each expert its own
+                linear = experts.with_expert_configs(linear, site.experts, lambda: recipe.quantizers_for("experts", site.layer))
             plan.append((site, linear))
     unmatched = [pattern for pattern in exclude if pattern not in matched]
     if unmatched:
@@ -285,7 +287,7 @@ def _check_no_shared_running_state(plan) -> None:
     """A quantizer with running state (a delayed-scaling amax history, a hybrid child's too) must
     serve one tensor of one layer."""
     seen: dict[int, str] = {}
-    for _, linear in plan:
+    for linear in (layer for _, stack_or_layer in plan for layer in stack_or_layer.layers()):
         for role, quantizer in linear.roles().items():
             for buffer in (quantizer.state_buffers().values() if quantizer is not None else ()):
                 where = f"{linear.name or '<root>'} {role}"
@@ -359,15 +361,16 @@ def running_state(module: nn.Module) -> dict[str, torch.Tensor]:
     quantized weight's entry carries its own quantizer's state, so that role is left out when the
     weight is a QuantizedTensor (or a sharded one: a DTensor over a QuantizedTensor)."""
     state = {}
-    for attribute, (linear, _) in module._qtensor_layers.items():
+    for attribute, (stack_or_layer, _) in module._qtensor_layers.items():
         weight = getattr(module, attribute)
         quantized = isinstance(getattr(weight, "_local_tensor", weight), QuantizedTensor)
-        for role, quantizer in linear.roles().items():
-            if quantizer is None or (role == "weight" and quantized):
-                continue
-            quantizer.move_state(weight.device)
-            prefix = f"{_state_prefix(attribute)}{role}_quantizer."
-            state.update({prefix + name: buffer for name, buffer in quantizer.state_buffers().items()})
+        for layer_prefix, linear in experts.state_prefixes(_state_prefix(attribute), attribute, stack_or_layer):
+            for role, quantizer in linear.roles().items():
+                if quantizer is None or (role == "weight" and quantized):
+                    continue
+                quantizer.move_state(weight.device)
+                prefix = f"{layer_prefix}{role}_quantizer."
+                state.update({prefix + name: buffer for name, buffer in quantizer.state_buffers().items()})
     return state
 
 

@@ -72,6 +72,10 @@ class LinearQuantizers:
     # fp32 accumulator. Only the FP8 tensor-core GEMM reads it (docs/design.md, The three GEMMs).
     fprop_fast_accumulation: bool = False
     running: LayerRunning = field(default_factory=LayerRunning, compare=False, hash=False, repr=False)
+    # An expert stack whose quantizers keep running state: each expert's own configuration (its own
+    # quantizers, histories and running bookkeeping), which its matrix and its rows are cast with;
+    # the stack's roles are the first expert's. Empty otherwise (layers/experts.py).
+    experts: tuple = field(default=(), compare=False, hash=False, repr=False)
     # True when a cast of this layer can record an amax (delayed scaling keeps running state): only
     # then do its casts run inside running_state.noting(). Derived once, when the configuration is
     # made: whether a quantizer keeps running state is settled when it is built.
@@ -107,6 +111,10 @@ class LinearQuantizers:
         if self.fprop_fast_accumulation:
             parts.append("fprop fast accumulation")
         return ", ".join(parts)
+
+    def layers(self) -> tuple:
+        """The configurations whose quantizers cast: each expert's for a stack that has them, else this one."""
+        return self.experts or (self,)
 
     def roles(self) -> dict[str, Quantizer | None]:
         return {"input": self.input, "weight": self.weight, "grad_output": self.grad_output}

@@ -200,6 +200,12 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         # in_features, across the rows of what the GEMM reads, so it gathers its high-precision
         # values and is quantized at use, as on one process.
         if not self._casts_shard():
+            if linear.experts:
+                raise NotImplementedError(
+                    f"{linear.name or 'An expert stack'}: FSDP2 of an expert stack with delayed scaling (one amax history "
+                    "per expert) is not built yet. Use current scaling for the experts (a factory may choose by "
+                    "role.module_type == 'experts'), or keep the stack out of fully_shard."
+                )
             values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
             padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
             padded[: values.shape[0]].copy_(values)
@@ -297,7 +303,10 @@ class DynamicWeight(LayerWeight, torch.Tensor):
             source = weights[0]
             # An alias shares the write log (a write through it changes the source's values).
             writes = source._writes if func in _ALIASES or expert else None
-            return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, source.linear_quantizers, writes=writes), out)
+            linear = source.linear_quantizers
+            if func is aten.select.int and linear.experts:  # one expert's matrix: cast with that expert's configuration
+                linear = linear.experts[args[2]]
+            return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, linear, writes=writes), out)
         # An in-place op hands back the tensor it wrote into: the wrapper, not its inner tensor.
         if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
             return args[0]

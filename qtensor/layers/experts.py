@@ -23,10 +23,12 @@ blocks along the rows (the columnwise copies wgrad reads) run over the group's r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import grouped_linear as grouped
-from .config import carries_quantizers
+from .config import LayerRunning, carries_quantizers
 from .linear import quantized_linear
 
 
@@ -86,10 +88,9 @@ def rows_through_experts(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor
 
 
 def _expert_linear(x: torch.Tensor, stack: torch.Tensor, expert: int, in_out: bool) -> torch.Tensor:
-    weight = stack[expert]  # that expert's 2-D weight
-    if in_out == stack.linear_quantizers.transposed:
-        return quantized_linear(x, weight)
-    return quantized_linear(x, weight.t())  # a view of the stack the other way round: its matrix as stored
+    if in_out != stack.linear_quantizers.transposed:  # a view of the stack the other way round
+        stack = stack.transpose(-2, -1)  # the stack as it is kept (a view of it)
+    return quantized_linear(x, stack[expert])  # stack[expert]: that expert's 2-D weight
 
 
 def _joined(pieces, x, stack, missing_rows: int, in_out: bool) -> torch.Tensor:
@@ -123,10 +124,22 @@ def unsupported_stack_reason(quantizers: dict, weights: str) -> str | None:
     """Why a stack cannot be quantized with these quantizers in this weight mode yet, or None."""
     if weights == "quantized":
         return "weights='quantized' does not take expert stacks yet: quantize_(..., weights='dynamic') quantizes them"
-    stateful = [role for role, q in quantizers.items() if q is not None and q.state_buffers()]
-    if stateful:
-        return (
-            f"delayed scaling ({', '.join(stateful)}) does not take expert stacks yet (one amax history per expert is "
-            "not built): use current scaling for the experts (a factory may choose by role.module_type == 'experts')"
-        )
     return None
+
+
+def with_expert_configs(linear, count: int, quantizers_for):
+    """`linear`, a stack's configuration whose quantizers keep running state (delayed scaling), with
+    one configuration per expert: the first expert's roles are the stack's; each other expert's come
+    from another call of the factory (`quantizers_for()`), so each keeps its own amax histories."""
+    configs = [replace(linear, name=f"{linear.name}[0]", running=LayerRunning(linear.running.amax_group))]
+    for expert in range(1, count):
+        configs.append(replace(linear, **quantizers_for(), name=f"{linear.name}[{expert}]", running=LayerRunning(linear.running.amax_group)))
+    return replace(linear, experts=tuple(configs))
+
+
+def state_prefixes(layer_prefix: str, attribute: str, linear) -> list:
+    """(state_dict key prefix, configuration) of each layer whose running state a module's entry for
+    `attribute` holds: the layer itself, or each expert of a stack (`<attribute>.experts.<e>.`)."""
+    if not linear.experts:
+        return [(layer_prefix, linear)]
+    return [(f"{attribute}.experts.{expert}.", config) for expert, config in enumerate(linear.experts)]

@@ -246,6 +246,7 @@ def _experts_call(func, args, kwargs):
         if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.dtype.is_floating_point and index.dtype != torch.bool:
             _refuse_traced(args[0])
             return GatheredExperts(args[0], index)
+        return plain(func, args, kwargs)  # w[e]: one expert's weight (dynamic_weight.py), made here, eagerly
     return NotImplemented
 
 

@@ -70,7 +70,10 @@ class LayerWeight:
 
     def _note_fsdp(self, mesh, module):
         """What FSDP2's hook tells the layer about how this shard is placed (`fsdp_state.FsdpLayer`)."""
-        return fsdp_state.layer_sharding(self.linear_quantizers.running, self, mesh, module)
+        sharding = fsdp_state.layer_sharding(self.linear_quantizers.running, self, mesh, module)
+        for expert in self.linear_quantizers.experts:  # an expert stack's experts reduce over the same groups
+            expert.running.fsdp = sharding
+        return sharding
 
 
 # ---- quantized weights: a format's tensor class with the layer weight's behaviour -------------------
