@@ -116,25 +116,26 @@ def quantize_(
 ) -> QuantizeReport:
     """Give every selected linear layer of `model` its quantizers, in place; the modules stay the same objects.
 
-    Linear layers are nn.Linear (subclasses included), Hugging Face Conv1D (GPT-2 and its family)
-    and the input projections of nn.MultiheadAttention. `weights="dynamic"` keeps high-precision
+    Linear layers are nn.Linear (subclasses included), Hugging Face Conv1D (GPT-2 and its family),
+    the input projections of nn.MultiheadAttention, and each matrix of a mixture of experts' stacks
+    (3-D parameters; layers/experts.py, role "experts"). `weights="dynamic"` keeps high-precision
     parameters, quantized at use; `weights="quantized"` makes each parameter the quantized tensor
     (train it through `qtensor.optim.MasterWeights`).
 
     The report names every parameter of two or more dimensions: quantized, or skipped with the
     reason (filtered out, the factory chose high precision, shapes a format cannot take, tied
-    weights, an embedding table, a layer type qtensor does not quantize, a stack of expert matrices,
-    a parameter that is not a layer's weight). With `strict=True` nothing is changed and a
-    ValueError names every linear layer that cannot be quantized (shapes, tied weights), every
-    `weight` matrix of a layer type qtensor does not know and every stack of expert matrices.
+    weights, an embedding table, a router, a layer type qtensor does not quantize, an expert stack
+    in a mode it does not take yet, a parameter that is not a layer's weight). With `strict=True`
+    nothing is changed and a ValueError names every layer that cannot be quantized (shapes, tied
+    weights, such stacks) and every `weight` matrix of a layer type qtensor does not know.
 
     `exclude`: names or glob patterns of layers, or of modules whose layers all stay, to keep in high
     precision (`"lm_head"`, `"layers.*.attention"`), as `filter_fn` returning False would; one that
     matches no linear layer raises ValueError (a misspelt name would quantize the layer it meant to keep).
 
-    `amax_reduction_group`: the process group over which delayed scaling's amaxes are reduced before
-    they are recorded, so that every data-parallel rank holds the same histories (DDP: the default
-    group). Under FSDP2 the mesh's group is used when none is given.
+    `amax_reduction_group`: the process group over which delayed scaling's amaxes are reduced before they
+    are recorded, so that every data-parallel rank holds the same histories (DDP: the default group).
+    Under FSDP2 the mesh's group is used when none is given.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -344,9 +345,8 @@ def _install(site: LinearSite, linear: LinearQuantizers, weights: str) -> None:
             module.register_state_dict_post_hook(_save_layer_state),
             module.register_load_state_dict_pre_hook(_load_running_state),
         ]
-    # Tensor parallelism's forward hooks go only on modules whose weight is a DTensor, installed when
-    # parallelize_module registers one (tensor_parallel.py). Other modules carry no hook, which keeps
-    # their forwards' compiled graphs one for all layers.
+    # Tensor parallelism's forward hooks go only on modules whose weight is a DTensor, installed when parallelize_module
+    # registers one (tensor_parallel.py): other modules carry no hook, which keeps one compiled graph for all layers.
 
 
 def _state_prefix(attribute: str) -> str:
