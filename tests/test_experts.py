@@ -256,13 +256,13 @@ def test_delayed_scaling_keeps_one_amax_history_per_expert(call, tmp_path):
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         recorded = {role: q.state_buffers()["amax_history"].max().item() for role, q in experts[expert].roles().items()}
         if end == start:
-            prefix = f"weight_stack.experts.{expert}."
+            prefix = f"expert_quantizers.weight_stack.{expert}."
             assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items() if k.startswith(prefix))
             continue
         expected = {"input": x[start:end].abs().max().item(), "weight": values[expert].abs().max().item(), "grad_output": grad[start:end].abs().max().item()}
         assert recorded == expected, expert
     state = module.state_dict()
-    keys = {f"weight_stack.experts.{e}.{role}_quantizer.amax_history" for e in range(E) for role in ("input", "weight", "grad_output")}
+    keys = {f"expert_quantizers.weight_stack.{e}.{role}_quantizer.amax_history" for e in range(E) for role in ("input", "weight", "grad_output")}
     assert keys <= set(state)
     qtensor.save_model(module, tmp_path / "delayed.safetensors")
     other = Stack()

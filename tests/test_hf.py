@@ -187,7 +187,7 @@ def test_save_pretrained_and_from_pretrained_restore_the_quantized_model(checkpo
     """save_pretrained writes qtensor's tensors (sharded with transformers' index when asked) and
     config.json the config; from_pretrained with no argument restores the same bytes and logits,
     after two training steps (delayed scaling's histories included)."""
-    _, path = checkpoint
+    name, path = checkpoint
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe=recipe, weights=weights))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     if weights == "quantized":
@@ -197,6 +197,11 @@ def test_save_pretrained_and_from_pretrained_restore_the_quantized_model(checkpo
         model(tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    if name == "mixtral" and recipe == "float8_delayed" and weights == "dynamic":
+        # One amax history per expert: save_model keeps them (tests/test_experts.py); save_pretrained refuses.
+        with pytest.raises(NotImplementedError, match="save_pretrained of expert stacks with delayed scaling"):
+            model.save_pretrained(tmp_path)
+        return
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files

@@ -139,7 +139,8 @@ def with_expert_configs(linear, count: int, quantizers_for):
 
 def state_prefixes(layer_prefix: str, attribute: str, linear) -> list:
     """(state_dict key prefix, configuration) of each layer whose running state a module's entry for
-    `attribute` holds: the layer itself, or each expert of a stack (`<attribute>.experts.<e>.`)."""
+    `attribute` holds: the layer itself, or each expert of a stack (`expert_quantizers.<attribute>.<e>.`;
+    not under `<attribute>.`, whose keys transformers converts as the stack's own when it saves)."""
     if not linear.experts:
         return [(layer_prefix, linear)]
-    return [(f"{attribute}.experts.{expert}.", config) for expert, config in enumerate(linear.experts)]
+    return [(f"expert_quantizers.{attribute}.{expert}.", config) for expert, config in enumerate(linear.experts)]
