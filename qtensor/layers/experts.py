@@ -3,10 +3,11 @@
 A stack is one parameter `[experts, out_features, in_features]` (`gate_up_proj`, `down_proj`), or
 `[experts, in_features, out_features]` where its module multiplies it as stored (a module with
 `is_transposed = True`, as gpt-oss's experts). `quantize_` makes it a dynamic weight over the whole
-stack carrying one `LinearQuantizers`; every use of it multiplies one expert's matrix at a time, cast
-on its own (its own per-tensor scale, its own row-wise, block or MX scales), by the layer's
-quantized linear (linear.py). routing.py recognises the three ways a model multiplies a stack and
-brings them here:
+stack carrying one `LinearQuantizers` (with delayed scaling, one per expert besides:
+`LinearQuantizers.experts`, each expert's own quantizers and histories); every use of it multiplies
+one expert's matrix at a time, cast on its own (its own per-tensor scale, its own row-wise, block or
+MX scales), as that expert's quantized linear would (linear.py). routing.py recognises the three
+ways a model multiplies a stack and brings them here:
 
 - `F.linear(x, w[e])` (or `x @ w[e]` for a stack kept `[in, out]`): `w[e]` is a 2-D dynamic weight
   of the stack (dynamic_weight.py), and F.linear is that expert's quantized linear.
@@ -14,8 +15,11 @@ brings them here:
   `GatheredExperts` remembers the stack and the ids, and the bmm runs each expert's quantized linear
   over its rows (in the order they come) and puts the rows back.
 - `F.grouped_mm` / `torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)` over rows sorted by
-  expert: each group `x[ends[e - 1]:ends[e]]` through expert e's quantized linear. An empty group
-  multiplies nothing; rows past the last end come out zero (grouped_mm leaves them unwritten).
+  expert (or transformers' own grouped GEMM op): each group `x[ends[e - 1]:ends[e]]` through expert
+  e's linear, all in one autograd Function (grouped_linear.py; delayed scaling: each expert's dense
+  quantized linear in turn). An empty group multiplies nothing; rows past the last end come out
+  zero (grouped_mm leaves them unwritten). `w.transpose(-2, -1)` is a view of the stack
+  (dynamic_weight.py), and which way round a grouped GEMM reads it is told by its strides.
 
 Each group's input (and gradient) is cast as one tensor: a per-tensor scale covers the group's rows,
 blocks along the rows (the columnwise copies wgrad reads) run over the group's rows in their order.
