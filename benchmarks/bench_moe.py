@@ -18,14 +18,16 @@ peak memory per system.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import qtensor
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qtensor  # noqa: E402
+from timing import median_step_s  # noqa: E402
 
 SHAPES = {"mixtral": (32768, 8, 4096, 14336), "qwen3": (131072, 128, 2048, 768)}
 RECIPES = ["float8_current", "float8_rowwise", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
@@ -76,17 +78,8 @@ def measure(system: str, shape: str, steps: int) -> dict:
         for p in model.parameters():
             p.grad = None
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"tokens_per_s": rows / statistics.median(times), "ms": statistics.median(times) * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    seconds, peak = median_step_s(step, steps)
+    return {"tokens_per_s": rows / seconds, "ms": seconds * 1e3, "peak_gib": peak}
 
 
 def main() -> None:

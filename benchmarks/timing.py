@@ -1,6 +1,7 @@
 """Timing helpers shared by the GPU benchmarks (run as `python benchmarks/<script>.py`)."""
 
 import statistics
+import time
 
 import torch
 
@@ -21,6 +22,22 @@ def median_ms(fn, repeats=20, warmup=3, overlapped=False):
             end.synchronize()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def median_step_s(step, steps, warmup=3) -> tuple[float, float]:
+    """(median seconds, peak GiB) of `steps` calls of a training `step` after `warmup` ones, each
+    timed on the host from its start until the GPU is done with it."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
 def back_to_back_ms(fn, launches=30):

@@ -176,7 +176,7 @@ def quantize_(
                 report.skipped[site.layer] = "the factory keeps every tensor in high precision"
                 continue
             reason = _unsupported_reason(site, quantizers) or _tied_reason(site, owners)
-            reason = reason or (experts.unsupported_stack_reason(quantizers, weights) if site.experts else None)
+            reason = reason or (experts.unsupported_stack_reason(weights) if site.experts else None)
             if reason is not None:
                 cannot[site.layer] = reason
                 continue
