@@ -1,13 +1,12 @@
-"""The Python blocks of every page in docs/ run as shown: each on its own, in a fresh interpreter,
-in a scratch directory (a block that writes a file writes it there)."""
+"""The Python blocks of every page in docs/ run as shown: each on its own, in a fresh interpreter
+(forked from one that has imported torch and qtensor: `fresh.py`), in a scratch directory (a block
+that writes a file writes it there)."""
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from fresh import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -34,7 +33,5 @@ def test_every_linked_page_exists():
 
 @pytest.mark.parametrize("page,index,block", BLOCKS, ids=[f"{name}-{index}" for name, index, _ in BLOCKS])
 def test_each_docs_block_runs_on_its_own(page, index, block, tmp_path):
-    # qtensor importable as from the repository root (as the README's blocks run), whatever the cwd.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    done = run_python(block, cwd=tmp_path)  # qtensor importable as from the repository root, whatever the cwd
     assert done.returncode == 0, f"{page} block {index} failed on its own:\n{block}\n{done.stderr[-3000:]}"

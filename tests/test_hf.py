@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 import qtensor  # noqa: E402
 import qtensor.hf  # noqa: E402
 from qtensor.hf import QTensorConfig  # noqa: E402
+from fresh import run_python  # noqa: E402
 
 def _decoder(config_class, hidden=128, intermediate=256, **extra):
     """A tiny decoder-only config: two blocks, four heads, two KV heads."""
@@ -279,11 +280,9 @@ def test_export_writes_a_plain_checkpoint_transformers_loads_without_qtensor(che
         f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})\n"
         "torch.save({k: v for k, v in m.state_dict().items()}, sys.argv[1])"
     )
-    import subprocess
-    import sys
-
     out = tmp_path / "state.pt"
-    subprocess.run([sys.executable, "-c", script, str(out)], check=True, capture_output=True)
+    done = run_python(script, str(out), preload=("torch", "transformers"))  # forked from a server without qtensor: fresh.py
+    assert done.returncode == 0, done.stderr[-3000:]
     loaded = torch.load(out)
     for name, value in model.state_dict().items():
         if name in loaded:

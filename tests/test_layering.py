@@ -8,10 +8,9 @@ what happens to be loaded; the low layers are imported in a fresh interpreter wh
 
 import ast
 import os
-import subprocess
-import sys
 
 import pytest
+from fresh import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("qtensor", "qtensor_kernels")
@@ -210,10 +209,9 @@ print(sorted(name for name in sys.modules if name.startswith("qtensor.") or name
 
 
 def loaded_by(module: str) -> set[str]:
-    """The `qtensor.*` modules a fresh interpreter holds after importing `module` alone."""
-    done = subprocess.run(
-        [sys.executable, "-c", _LOADED, ROOT, module], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    """The `qtensor.*` modules a fresh interpreter holds after importing `module` alone (forked
+    from one that has imported torch only: fresh.py)."""
+    done = run_python(_LOADED, ROOT, module, cwd=ROOT, preload=("torch",), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
 

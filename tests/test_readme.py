@@ -1,11 +1,11 @@
-"""The README's Python examples run as shown: each on its own, in a fresh interpreter."""
+"""The README's Python examples run as shown: each on its own, in a fresh interpreter (forked from
+one that has imported torch and qtensor: `fresh.py`)."""
 
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from fresh import run_python
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
@@ -17,5 +17,5 @@ def test_the_readme_has_its_examples():
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_each_readme_block_runs_on_its_own(index):
-    done = subprocess.run([sys.executable, "-c", BLOCKS[index]], capture_output=True, text=True, timeout=300)
+    done = run_python(BLOCKS[index])
     assert done.returncode == 0, f"README block {index} failed on its own:\n{BLOCKS[index]}\n{done.stderr[-3000:]}"
