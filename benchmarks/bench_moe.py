@@ -1,6 +1,6 @@
 """Speed of a mixture of experts' expert stacks: bf16 grouped GEMMs against qtensor's recipes (GPU).
 
-    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--systems bf16,float8_current,...] [--steps 10]
+    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--systems bf16,float8_current,...] [--steps 10] [--profile] [--gemms]
 
 One experts layer as torchtitan and transformers' `grouped_mm` implementation run it: tokens sorted
 by expert, `gate_up = grouped_mm(x, gate_up_proj^T, offs)`, SiLU(gate)·up, `grouped_mm(h, down_proj^T,
@@ -58,7 +58,7 @@ def torchao_grouped_mm():
     return lambda a, b, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
 
 
-def measure(system: str, shape: str, steps: int) -> dict:
+def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
     rows, experts, hidden, width = SHAPES[shape]
     torch.manual_seed(0)
     model = Experts(experts, hidden, width).cuda()
@@ -79,7 +79,35 @@ def measure(system: str, shape: str, steps: int) -> dict:
             p.grad = None
 
     seconds, peak = median_step_s(step, steps)
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
     return {"tokens_per_s": rows / seconds, "ms": seconds * 1e3, "peak_gib": peak}
+
+
+def gemms(shape: str, steps: int) -> None:
+    """The six grouped GEMMs of a step alone: bf16 `torch._grouped_mm` against FP8
+    `torch._scaled_grouped_mm` with the split accumulator and with fast accumulation."""
+    rows, experts, hidden, width = SHAPES[shape]
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
+    fp8 = lambda *size: torch.randn(*size, device="cuda").to(torch.float8_e4m3fn)
+    ones = lambda *size: torch.ones(*size, device="cuda")
+    for name, out, inner in (("gate_up", 2 * width, hidden), ("down", hidden, width)):
+        cases = {  # (A, B as the GEMM reads it, scales of A, of B)
+            "fprop/dgrad [M,K]x[E,K,N]": (fp8(rows, inner), fp8(experts, out, inner).transpose(-2, -1), ones(rows), ones(experts, out)),
+            "wgrad [N,M]x[M,K]": (fp8(out, rows), fp8(inner, rows).t(), ones(out * experts), ones(inner * experts)),
+        }
+        for case, (a, b, sa, sb) in cases.items():
+            a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+            timed = {
+                "bf16": lambda: torch._grouped_mm(a16, b16, offs=offs),
+                "fp8 split": lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16),
+                "fp8 fast": lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
+            }
+            times = {k: median_step_s(f, steps)[0] * 1e3 for k, f in timed.items()}
+            print(f"{shape:<8} {name:<8} {case:<28} " + "  ".join(f"{k} {v:6.3f} ms" for k, v in times.items()), flush=True)
 
 
 def main() -> None:
@@ -87,7 +115,13 @@ def main() -> None:
     parser.add_argument("--shapes", default="mixtral,qwen3")
     parser.add_argument("--systems", default=None, help="comma-separated (default: bf16, torchao rowwise where importable, every recipe)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="after each system, its kernels of one step by GPU time")
+    parser.add_argument("--gemms", action="store_true", help="time the grouped GEMMs alone (bf16, FP8 split and fast accumulation)")
     args = parser.parse_args()
+    if args.gemms:
+        for shape in args.shapes.split(","):
+            gemms(shape, args.steps)
+        return
     systems = args.systems.split(",") if args.systems else ["bf16", *(["torchao rowwise"] if torchao_grouped_mm() else []), *RECIPES]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; forward+backward of one experts layer, median of {args.steps} steps")
     print(f"{'shape':<8} {'system':<24} {'rows/s':>12} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
@@ -95,7 +129,7 @@ def main() -> None:
         base = None
         for system in systems:
             try:
-                row = measure(system, shape, args.steps)
+                row = measure(system, shape, args.steps, args.profile)
             except Exception as error:  # one system's failure is a row
                 print(f"{shape:<8} {system:<24} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
                 continue

@@ -14,6 +14,7 @@ from qtensor import gemm
 from qtensor.gemm import backends
 from qtensor.core import kernels
 from qtensor.core.kernels import lookup, reference_kernels
+from qtensor.core.quantizer import RowGroups
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -768,3 +769,40 @@ def test_the_float8_block_cast_kernel_takes_empty_tensors_as_the_reference_does(
         got, expected = fast.storage_for(direction), reference.storage_for(direction)
         assert got.data.shape == expected.data.shape and got.scale_inv.shape == expected.scale_inv.shape, direction
         assert torch.equal(got.scale_inv, expected.scale_inv), direction
+
+
+GROUPED_QUANTIZERS = {
+    "e4m3": lambda: qtensor.Float8Quantizer(),
+    "e5m2_pow2_eps": lambda: qtensor.Float8Quantizer(torch.float8_e5m2, force_pow_2_scales=True, amax_epsilon=1e-3),
+    "rowwise_pow2": lambda: qtensor.Float8BlockQuantizer(block_rows=1, block_cols=None, pow2_scales=True),
+    "rowwise_e5m2": lambda: qtensor.Float8BlockQuantizer(torch.float8_e5m2, block_rows=1, block_cols=None),
+}
+
+
+def assert_same_grouped(actual, expected, what):
+    for a, b in zip(actual, expected):
+        assert (a is None) == (b is None), what
+        if a is not None:
+            assert torch.equal(a.data.view(torch.uint8).cpu(), b.data.view(torch.uint8).cpu()), f"{what}: codes"
+            assert torch.equal(a.scale_inv.cpu(), b.scale_inv.cpu()), f"{what}: factors"
+            assert (a.groups is None) == (b.groups is None) and (a.groups is None or a.lengths == b.lengths), f"{what}: groups"
+
+
+@pytest.mark.parametrize("name", list(GROUPED_QUANTIZERS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_float8_cast_kernels_are_bitwise_the_reference(name, dtype):
+    """Every group of routed rows (empty groups, groups of any length, NaN and ±Inf among the values)
+    and every expert of a stack (experts of 48 rows, whose columnwise codes the kernel writes, and of
+    40, transposed after): codes, factors and lengths bit for bit as the pure-torch reference."""
+    quantizer = GROUPED_QUANTIZERS[name]()
+    lengths = (0, 37, 64, 5, 0, 130)
+    groups = RowGroups(lengths, torch.tensor(lengths).cumsum(0).cuda())
+    x = hard_input(sum(lengths), 96, dtype, seed=4)
+    with reference_kernels():
+        expected = quantizer.quantize_groups(x, groups, True, True)
+    assert_same_grouped(quantizer.quantize_groups(x, groups, True, True), expected, "routed rows")
+    for rows in (48, 40):
+        stack = torch.stack([hard_input(rows, 80, dtype, seed=5 + e) for e in range(3)])
+        with reference_kernels():
+            expected = quantizer.quantize_stack(stack, True, True)
+        assert_same_grouped(quantizer.quantize_stack(stack, True, True), expected, f"stack of {rows}-row experts")

@@ -7,6 +7,7 @@ within fp32 accumulation-order tolerance.
 """
 
 import copy
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,8 +15,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import oracle
 import qtensor
-from test_linear import CASES, assert_gemm_matches, factory_for, varied
+from qtensor.core.quantizer import RowGroups
+from qtensor.formats import float8_groups
+from test_linear import CASES as DENSE_CASES
+from test_linear import assert_gemm_matches, varied
+
+# The dense layer's cases (per-tensor Float8 with an E5M2 gradient, MXFP8, NVFP4, the hybrid), and
+# two the grouped GEMM casts all at once (formats/float8_groups.py) and multiplies in one grouped
+# FP8 GEMM each: per-tensor Float8 with every tensor E4M3, and row-wise FP8 (one scale per row, and
+# per column of each group in the copies wgrad reads). The others run group by group.
+_ROW = lambda: qtensor.Float8BlockQuantizer(block_rows=1, block_cols=None, pow2_scales=True)
+_ROW_DEQ = lambda x, direction: oracle.float8_block(x, direction, block_rows=1, block_cols=None, pow2_scales=True).deq
+_ROLES = ("input", "weight", "grad_output")
+_E4M3_DEQ = lambda x, direction: oracle.float8_current(x, "e4m3").deq
+CASES = {
+    **DENSE_CASES,
+    "float8_e4m3": ({role: qtensor.Float8Quantizer for role in _ROLES}, {role: _E4M3_DEQ for role in _ROLES}),
+    "float8_rowwise": ({role: _ROW for role in _ROLES}, {role: _ROW_DEQ for role in _ROLES}),
+}
+
+
+def factory_for(case):
+    makers = CASES[case][0]
+    return lambda role: makers[role.tensor_type]()
 
 E, K, N = 4, 80, 40
 # Group ends over 67 rows: 16 rows, an empty group, 48 rows (one and a half MXFP8 blocks of rows),
@@ -157,6 +181,52 @@ def test_the_grouped_gemm_equals_each_experts_dense_quantized_linear(override, f
             assert grouped_result is None
         else:
             torch.testing.assert_close(grouped_result[: len(dense_result)], dense_result, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "float8"])
+def test_e4m3_float8_groups_are_cast_all_at_once(case):
+    """E4M3 per-tensor and row-wise Float8 cast every group of a grouped GEMM in one go, forward and
+    backward (one call over the routed rows each way, whatever the number of groups); with an E5M2
+    gradient the groups are cast one by one. The oracle test above checks every case's codes and
+    scales group by group."""
+    module, _ = quantized_stack(case)
+    with mock.patch.object(float8_groups, "cast_rows", wraps=float8_groups.cast_rows) as cast_rows:
+        run_grouped(module, varied(ROWS, K, seed=2), varied(ROWS, N, seed=3), GROUPED_CALLS["F.grouped_mm"])
+    assert cast_rows.call_count == (0 if case == "float8" else 2)
+
+
+@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "float8"])
+def test_grouped_casts_equal_each_groups_own_cast_bit_for_bit(case):
+    """Every group of routed rows (empty groups, groups of any length, NaN and ±Inf among the values)
+    and every expert of a stack (48 rows, written columnwise by the cast, and 40, transposed after):
+    the grouped casts' codes and factors are those of the dense cast of that group or expert alone,
+    and a columnwise copy's padding holds zero codes."""
+    quantizer = CASES[case][0]["grad_output"]()
+    lengths = (0, 37, 64, 5, 0, 30)
+    x = varied(sum(lengths), K, seed=4)
+    x[3, 4], x[40, 2] = float("inf"), float("nan")
+    groups = RowGroups(lengths, torch.tensor(lengths).cumsum(0))
+    row, col = quantizer.quantize_groups(x, groups, True, True)
+    bits = lambda t: t.view(torch.uint8)
+    start = base = 0
+    for group, length in enumerate(lengths):
+        alone = quantizer.quantize(x[start:start + length]) if length else None
+        if alone is not None:
+            assert torch.equal(bits(row.data[start:start + length]), bits(alone.rowwise.data))
+            assert torch.equal(row.scale_inv[start:start + length], alone.rowwise.scale_inv.reshape(-1).expand(length))
+            assert torch.equal(bits(col.data[:, base:base + length]), bits(alone.columnwise.data))
+            assert torch.equal(col.scale_inv[group], alone.columnwise.scale_inv.reshape(-1).expand(K))
+        assert col.lengths[group] % 16 == 0 and not bits(col.data[:, base + length:base + col.lengths[group]]).any()
+        start, base = start + length, base + col.lengths[group]
+    for rows in (48, 40):
+        stack = varied(3, rows, K, seed=5)
+        row, col = quantizer.quantize_stack(stack, True, True)
+        for expert in range(3):
+            alone = quantizer.quantize(stack[expert])
+            assert torch.equal(bits(row.data[expert]), bits(alone.rowwise.data))
+            assert torch.equal(bits(col.data[expert]), bits(alone.columnwise.data))
+            assert torch.equal(row.scale_inv[expert], alone.rowwise.scale_inv.reshape(-1).expand(rows))
+            assert torch.equal(col.scale_inv[expert], alone.columnwise.scale_inv.reshape(-1).expand(K))
 
 
 def test_a_grouped_gemm_over_a_stack_read_the_wrong_way_round_is_refused():
@@ -350,6 +420,37 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
         gemm_within(x_grad[rows], deq["grad_output"](ge, "rowwise"), deq["weight"](w[expert], "columnwise"))
         gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"))
     assert not y[ENDS[-1]:].any() and not x_grad[ENDS[-1]:].any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ends", [[32, 32, 96, 128], [16, 16, 53, 112]], ids=["groups of 16s", "groups of any size"])
+@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise"])
+def test_float8_grouped_gemms_take_the_fp8_tensor_cores_in_one_launch(case, ends):
+    """A bf16 stack and input, every dimension a multiple of 16: each GEMM of the grouped linear is
+    one `torch._scaled_grouped_mm` over every group, within the bf16 output's rounding of the
+    oracle's product, group by group."""
+    experts, k, n, rows = 4, 128, 64, 128
+    module = nn.Module()
+    module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(torch.bfloat16))
+    w = [module.weight_stack[e].detach().float().numpy() for e in range(experts)]
+    qtensor.quantize_(module, factory_for(case))
+    module.cuda()
+    x, grad = varied(rows, k, seed=2).to(torch.bfloat16), varied(rows, n, seed=3).to(torch.bfloat16)
+    call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
+    with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches:
+        y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
+    assert launches.call_count == 3
+    deq = CASES[case][1]
+    for expert, (start, end) in enumerate(zip([0, *ends], ends)):
+        if end == start:
+            assert not w_grad[expert].any()
+            continue
+        xe, ge = x[start:end].float().numpy(), grad[start:end].float().numpy()
+        gemm_within(y[start:end], deq["input"](xe, "rowwise"), deq["weight"](w[expert], "rowwise").T, relative=4e-3)
+        gemm_within(x_grad[start:end], deq["grad_output"](ge, "rowwise"), deq["weight"](w[expert], "columnwise"), relative=4e-3)
+        gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"), relative=4e-3)
+    assert not y[ends[-1]:].any() and not x_grad[ends[-1]:].any()
 
 
 def gemm_within(actual, a, b, relative=1e-3):

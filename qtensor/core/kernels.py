@@ -41,7 +41,7 @@ def is_fake(tensor) -> bool:
 # The names a kernel may be registered under, each with the reference it replaces.
 REFERENCES: dict[str, str] = {
     "finite_amax": "core.numerics.finite_amax",
-    "float8.cast": "formats.float8.quantize_per_tensor (+ its transpose), with Float8Quantizer.compute_scale and 1/scale",
+    "float8.cast": "core.numerics.quantize_per_tensor (+ its transpose), with Float8Quantizer.compute_scale and 1/scale",
     "float8.amax_partials": "core.numerics.finite_amax, in parts",
     "float8.delayed_scale": "Float8Quantizer.compute_scale, delayed",
     "float8.record_amax": "Float8Quantizer.record_amax",
@@ -54,6 +54,8 @@ REFERENCES: dict[str, str] = {
     "nvfp4.dequantize": "formats.nvfp4.dequantize_row_blocks",
     "hybrid.cast": "formats.hybrid: the MXFP8 rowwise and NVFP4 columnwise children's casts, from one read",
     "float8_block.cast": "formats.float8_block.quantize_blocks of both copies, from one read",
+    "float8_groups.column_amax": "formats.float8_groups._column_amax: each group's column amaxes",
+    "float8_groups.cast": "formats.float8_groups._cast: each group's codes at its column scales, rowwise and padded columnwise",
     "gemm.scale_output": "gemm.backends._scale_and_finish",
 }
 

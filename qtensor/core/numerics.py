@@ -234,3 +234,18 @@ def cast_saturating(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         limit = torch.finfo(dtype).max
         values = torch.where(torch.isinf(values), values, values.clamp(-limit, limit))
     return values.to(dtype)
+
+
+# E5M2's ±Inf codes. They are written as codes: a saturating conversion (the one compiled kernels
+# use) would clamp an infinity to the largest finite value.
+E5M2_INF_CODES = (0x7C, 0xFC)
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """`fp8(x * scale)`, saturating; NaN stays NaN, ±Inf becomes NaN (E4M3) or stays ±Inf (E5M2)."""
+    infinite = torch.isinf(x)
+    if fp8_dtype == torch.float8_e4m3fn:
+        return to_fp8(torch.where(infinite, float("nan"), saturate(x * scale, fp8_dtype)), fp8_dtype)
+    codes = to_fp8(saturate(x * scale, fp8_dtype), fp8_dtype).view(torch.uint8)
+    positive, negative = E5M2_INF_CODES
+    return torch.where(infinite, torch.where(x > 0, positive, negative).to(torch.uint8), codes).view(fp8_dtype)

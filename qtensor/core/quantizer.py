@@ -8,6 +8,8 @@ import inspect
 import json
 import math
 
+from typing import NamedTuple
+
 import torch
 
 from .storage import Storage, holds_storages
@@ -36,6 +38,43 @@ def _col_block(storages) -> int | None:
 def _fresh(quantizer: "Quantizer") -> "Quantizer":
     """A new quantizer of `quantizer`'s configuration (children too), with new running state."""
     return type(quantizer)(**{k: _fresh(v) if isinstance(v, Quantizer) else v for k, v in quantizer.config().items()})
+
+
+class RowGroups:
+    """Groups of consecutive rows: a grouped GEMM's routed rows (rows sorted by expert), or an expert
+    stack's experts. `lengths` holds each group's rows on the host; on the device, `ends` (given),
+    `starts` and `device_lengths`, and where a columnwise copy runs each group on to a multiple of
+    `align` columns (zero codes after its rows), `padded` lengths and the `bases` of those runs.
+    Everything on the device is derived from `ends` there: no copy from the host, no sync."""
+
+    def __init__(self, lengths: tuple[int, ...], ends: torch.Tensor, align: int = 1, bases: torch.Tensor | None = None):
+        self.lengths, self.align = tuple(lengths), align
+        self.padded = tuple(-(-n // align) * align for n in self.lengths)
+        self.ends = ends.long()
+        self.device_lengths = torch.diff(self.ends, prepend=self.ends.new_zeros(1))
+        self.starts = self.ends - self.device_lengths
+        self.padded_ends = torch.cumsum((self.device_lengths + align - 1) // align * align, 0)
+        self.bases = bases if bases is not None else self.padded_ends - (self.device_lengths + align - 1) // align * align
+
+    def offsets(self, padded: bool) -> torch.Tensor:
+        """int32 group ends on the device, of the rows or of the padded runs: a grouped GEMM's `offs`."""
+        return (self.padded_ends if padded else self.ends).to(torch.int32)
+
+
+class GroupedOperand(NamedTuple):
+    """One operand of a grouped GEMM, every group cast at once (`Quantizer.quantize_groups`,
+    `quantize_stack`): FP8 codes with the GEMM's reduction dimension last, the fp32 factor that
+    dequantizes each row of `data`, and for routed rows their groups, along `data`'s rows, or along
+    its columns run on to the groups' `padded` lengths (a columnwise copy)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    groups: RowGroups | None = None
+    padded: bool = False
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.groups.padded if self.padded else self.groups.lengths
 
 
 class Quantizer:
@@ -143,6 +182,24 @@ class Quantizer:
         take them in that order (numerics.sharded_cast with reduced=). None, the default: not declared, so
         this quantizer's casts reduce their own amaxes, one collective each."""
         return None
+
+    # ---- grouped GEMMs (an expert stack's grouped linear) -----------------------------------------
+    def grouped_scaling(self) -> str | None:
+        """How `quantize_groups` and `quantize_stack` scale, for a format that casts every group of a
+        grouped GEMM at once: "tensor" (one scale per group of rows, per expert) or "row" (one per
+        row, and per column of each group for the columnwise copy). None: no such casts, and a grouped
+        GEMM casts its groups one by one through `quantize`."""
+        return None
+
+    def quantize_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
+        """(rowwise, columnwise) GroupedOperand of `x` [M, K], each of the `groups` of consecutive
+        rows cast as `quantize` would cast it alone (formats/float8_groups.py has the layouts)."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped casts (grouped_scaling() is None).")
+
+    def quantize_stack(self, stack: torch.Tensor, rowwise: bool, columnwise: bool):
+        """(rowwise, columnwise) GroupedOperand of an expert stack [E, N, K], each expert cast as
+        `quantize` would cast it alone."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped casts (grouped_scaling() is None).")
 
     def state_buffers(self) -> dict[str, torch.Tensor]:
         """Running state, as named tensors (delayed scaling's amax history); empty when stateless.

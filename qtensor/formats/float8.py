@@ -6,6 +6,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..core.numerics import (
     FP8_DTYPES,
     check_choice,
+    quantize_per_tensor,
     check_fp8_dtype,
     finite_amax,
     exact_quotient,
@@ -14,33 +15,17 @@ from ..core.numerics import (
     tensor_amax,
     fp8_max,
     round_down_pow2,
-    saturate,
     scale_from_amax,
-    to_fp8,
 )
 from ..core import running_state
 from ..core.kernels import lookup
 from ..core.quantizer import Quantizer
 from ..core.storage import Buffer, FP8TensorwiseOperand, Storage, TensorScale
 from ..core.tensor import QuantizedTensor
+from .float8_groups import CastsGroups
 
 
 # ---- numerics ------------------------------------------------------------------------------------
-# E5M2's ±Inf codes. They are written as codes: a saturating conversion (the one compiled kernels
-# use) would clamp an infinity to the largest finite value.
-E5M2_INF_CODES = (0x7C, 0xFC)
-
-
-def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """`fp8(x * scale)`, saturating; NaN stays NaN, ±Inf becomes NaN (E4M3) or stays ±Inf (E5M2)."""
-    infinite = torch.isinf(x)
-    if fp8_dtype == torch.float8_e4m3fn:
-        return to_fp8(torch.where(infinite, float("nan"), saturate(x * scale, fp8_dtype)), fp8_dtype)
-    codes = to_fp8(saturate(x * scale, fp8_dtype), fp8_dtype).view(torch.uint8)
-    positive, negative = E5M2_INF_CODES
-    return torch.where(infinite, torch.where(x > 0, positive, negative).to(torch.uint8), codes).view(fp8_dtype)
-
-
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return data.float() * scale_inv
 
@@ -122,7 +107,7 @@ class Float8Tensor(QuantizedTensor):
     """A tensor stored as FP8 codes with one fp32 scale."""
 
 
-class Float8Quantizer(Quantizer):
+class Float8Quantizer(CastsGroups, Quantizer):
     """Per-tensor FP8. `scaling="current"` takes the scale from this tensor's amax; `"delayed"` from
     the amax history of earlier casts (then records this cast's amax)."""
 
@@ -174,6 +159,14 @@ class Float8Quantizer(Quantizer):
         scale = self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin))
         # docs/numerics.md, Float8: scale 1 until a cast has been recorded (chosen on the device: no host sync).
         return torch.where(window_amax >= 0, scale, 1.0)
+
+    def grouped_scaling(self) -> str | None:
+        return "tensor" if self.scaling == "current" else None  # delayed: one history per expert, cast one by one
+
+    def group_scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """[G, K] scales from each group's column amaxes [G, K]: one current scale per group."""
+        per_group = self._finish(scale_from_amax(torch.clamp_min(amax.amax(dim=1), self.amax_epsilon), fp8_max(self.fp8_dtype)))
+        return per_group[:, None].expand(amax.shape)
 
     def _finish(self, scale: torch.Tensor) -> torch.Tensor:
         return round_down_pow2(scale) if self.force_pow_2_scales else scale

@@ -17,6 +17,7 @@ from ..core.numerics import (
     exact_quotient,
     fp32,
     fp8_max,
+    quantize_per_tensor,
     reduce_amax,
     round_down_pow2,
     scale_from_amax,
@@ -26,7 +27,7 @@ from ..core.kernels import lookup
 from ..core.quantizer import Quantizer
 from ..core.storage import UNDECLARED, Buffer, FP8BlockOperand, Storage
 from ..core.tensor import QuantizedTensor
-from .float8 import quantize_per_tensor
+from .float8_groups import CastsGroups
 
 BLOCK_ROWS = (1, 128)
 BLOCK_COLS = (128, None)  # None: the whole row
@@ -136,7 +137,7 @@ class Float8BlockTensor(QuantizedTensor):
     """A tensor stored as FP8 codes with one fp32 scale per block (row-wise, 1 x 128 or 128 x 128)."""
 
 
-class Float8BlockQuantizer(Quantizer):
+class Float8BlockQuantizer(CastsGroups, Quantizer):
     """FP8 with block scales. `block_cols=None` scales each row of a copy as one block (row-wise,
     `block_rows=1`); `block_rows, block_cols` of `1, 128` or `128, 128` give DeepSeek-V3's blocks.
     `pow2_scales` rounds every scale down to a power of two; `amax_epsilon` floors each block's amax."""
@@ -168,6 +169,13 @@ class Float8BlockQuantizer(Quantizer):
         self.block_cols = block_cols
         self.pow2_scales = pow2_scales
         self.amax_epsilon = amax_epsilon
+
+    def grouped_scaling(self) -> str | None:
+        return "row" if self.block_cols is None else None
+
+    def group_scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """[G, K] scales from each group's column amaxes [G, K]: a columnwise copy's row scales."""
+        return block_scales(amax, self.fp8_dtype, self.pow2_scales, self.amax_epsilon)
 
     def _copy(self, direction: str, x: torch.Tensor) -> Float8BlockStorage:
         y = x if direction == "rowwise" else x.t()

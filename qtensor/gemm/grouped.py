@@ -29,3 +29,70 @@ def wgrad(out: torch.Tensor, groups, operands) -> None:
     """out[e] = dY_gᵀ · X_g ([out_features, in_features]) for each group."""
     for (expert, _, _), (grad, x) in zip(groups, operands):
         out[expert] = dense.wgrad(grad, x, out.dtype)
+
+
+# ---- FP8 codes with per-row factors (formats/float8_groups.py), every group in one launch ---------
+def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumulation: bool = False) -> torch.Tensor:
+    """The grouped product C = A · Bᵀ of two `GroupedFloat8` operands (reduction dimension last),
+    each dequantized by its rows' factors, over the groups `a.lengths` gives:
+
+        A [M, K], B [E, N, K]   C [M, N]      rows of group e times B_eᵀ           (fprop, dgrad)
+        A [N, M], B [K, M]      C [E, N, K]   group e's columns of A times B's     (wgrad)
+
+    On the FP8 tensor cores where `torch._scaled_grouped_mm` takes the operands (E4M3 × E4M3, bf16
+    out, dimensions multiples of 16): one launch for every group. Else group by group: FP8 GEMMs
+    with tensor scales where every factor of a group is one scale (`tensor_scaled`) and `_scaled_mm`
+    takes the pair, otherwise the reference product of the dequantized values."""
+    if _grouped_fp8_fits(a, b, out_dtype):
+        # A 2-D operand's factors as one vector (per row; per group and row for wgrad), a stack's [E, N].
+        scales = [g.scale_inv.reshape(-1) if g.data.dim() == 2 else g.scale_inv for g in (a, b)]
+        product = torch._scaled_grouped_mm(
+            a.data, b.data.transpose(-2, -1), *scales, offs=a.groups.offsets(a.padded), out_dtype=out_dtype,
+            use_fast_accum=fast_accumulation,
+        )
+        if b.data.dim() == 2 and 0 in a.lengths:  # an expert with no rows: its weight gradient is zero
+            product.masked_fill_((a.groups.device_lengths == 0)[:, None, None], 0)
+        return product
+    return _scaled_groups(a, b, a.lengths, out_dtype, tensor_scaled, fast_accumulation)
+
+
+def _grouped_fp8_fits(a, b, out_dtype: torch.dtype) -> bool:
+    if a.data.device.type != "cuda" or out_dtype != torch.bfloat16 or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    if torch.cuda.get_device_capability(a.data.device) < (9, 0):
+        return False
+    if not a.data.dtype == b.data.dtype == torch.float8_e4m3fn:
+        return False
+    # Every row of each operand and of the result starts 16-byte aligned.
+    return all(size % 16 == 0 for size in (a.data.shape[-1], *b.data.shape[-2:]))
+
+
+def _scaled_groups(a, b, lengths, out_dtype, tensor_scaled: bool, fast_accumulation: bool) -> torch.Tensor:
+    from .backends import _finish, _fp32_matmul, _fp8_pair_fits
+
+    grouped_rows = b.data.dim() == 3
+    if grouped_rows:
+        out = a.data.new_empty((a.data.shape[0], b.data.shape[1]), dtype=out_dtype)
+    else:
+        out = a.data.new_zeros((len(lengths), a.data.shape[0], b.data.shape[0]), dtype=out_dtype)
+    start = 0
+    for group, length in enumerate(lengths):
+        end = start + length
+        if length == 0:
+            start = end
+            continue
+        if grouped_rows:  # this group's rows of A, expert `group` of B
+            a_g, a_inv, b_g, b_inv = a.data[start:end], a.scale_inv[start:end], b.data[group], b.scale_inv[group]
+        else:  # this group's columns of both
+            a_g, a_inv = a.data[:, start:end].contiguous(), a.scale_inv[group]
+            b_g, b_inv = b.data[:, start:end].contiguous(), b.scale_inv[group]
+        target = out[start:end] if grouped_rows else out[group]
+        if tensor_scaled and a_g.device.type == "cuda" and _fp8_pair_fits(a_g, b_g):
+            target.copy_(torch._scaled_mm(
+                a_g, b_g.t(), scale_a=a_inv[0], scale_b=b_inv[0], out_dtype=out_dtype, use_fast_accum=fast_accumulation
+            ))
+        else:
+            values = lambda codes, inv: codes.float() * inv[:, None]
+            target.copy_(_finish(_fp32_matmul(values(a_g, a_inv), values(b_g, b_inv).t()), None, out_dtype))
+        start = end
+    return out

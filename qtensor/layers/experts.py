@@ -70,7 +70,7 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
     # A dynamic stack (its values quantized at use) without running state to note: one Function.
     in_out = reads_in_out(stack)
     if stack.quantized_at_use and not stack.linear_quantizers.records_amaxes:
-        return grouped.grouped_linear(x, stack, ends, in_out)  # the whole stack in one autograd Function
+        return grouped.grouped_linear(x, stack, ends, in_out, offs)  # the whole stack in one autograd Function
     pieces, start = [], 0
     for expert, end in enumerate(ends):
         if end > start:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import gemm
-from ..core.quantizer import INPUT_DTYPES
+from ..core.quantizer import INPUT_DTYPES, GroupedOperand, RowGroups
 from .config import LinearQuantizers
 from .linear import _output_dtype, _pack_saved, _quantize, _unpack_saved
 from ..core.tensor import QuantizedTensor
@@ -86,9 +86,80 @@ class GroupedLinearFunction(torch.autograd.Function):
         return grad_x, grad_stack, None, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out: bool) -> torch.Tensor:
-    """The groups `ends` marks (cumulative row ends, one per expert) through their experts' quantized
-    linears, the stack's matrices read as [in, out] where `in_out`; rows past the last end zero."""
+class GroupedFloat8Function(torch.autograd.Function):
+    """`GroupedLinearFunction` where every role is Float8 with current per-tensor or row-wise
+    scaling and the backward is quantized: all groups cast at once (formats/float8_groups.py), each
+    GEMM one grouped launch (`gemm.grouped.scaled_nt`). The same codes and scales as the groups cast
+    one by one."""
+
+    @staticmethod
+    def forward(ctx, x, stack, groups: RowGroups, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
+        input_needs_grad, weight_needs_grad = needs_grad
+        total = sum(groups.lengths)
+        values = stack.plain()
+        weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
+        x_row, x_col = linear.input.quantize_groups(x[:total], groups, True, weight_needs_grad)
+        w_row, w_col = linear.weight.quantize_stack(weights, True, input_needs_grad)
+        out_dtype = _output_dtype(x, stack)
+        y = gemm.grouped.scaled_nt(
+            x_row, w_row, out_dtype, tensor_scaled=_tensor_scaled(linear.input, linear.weight),
+            fast_accumulation=linear.fprop_fast_accumulation,
+        )
+        ctx.save_for_backward(*(x_col[:2] if x_col else (None, None)), *(w_col[:2] if w_col else (None, None)))
+        ctx.x_groups = x_col.groups if x_col else None  # the runs its columnwise copy was padded to
+        ctx.groups, ctx.linear, ctx.needs_grad, ctx.in_out = groups, linear, needs_grad, in_out
+        # The weight gradient in bf16 where the forward multiplied in bf16 (autocast's bf16 GEMM over
+        # the stack's cast gives a bf16 gradient too; the grouped FP8 GEMM writes only bf16), then
+        # in the stack's dtype.
+        wgrad_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else stack.dtype
+        ctx.shapes = (x.shape, x.dtype, stack.dtype, wgrad_dtype)
+        return _rows_past_end_zero(y, x.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        linear, groups = ctx.linear, ctx.groups
+        input_needs_grad, weight_needs_grad = ctx.needs_grad
+        x_shape, x_dtype, stack_dtype, wgrad_dtype = ctx.shapes
+        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        total = sum(groups.lengths)
+        g_row, g_col = linear.grad_output.quantize_groups(grad_out[:total], groups, input_needs_grad, weight_needs_grad)
+        grad_x = grad_stack = None
+        if input_needs_grad:
+            w_col = GroupedOperand(w_data, w_scale_inv)
+            tensor_scaled = _tensor_scaled(linear.grad_output, linear.weight)
+            grad_x = _rows_past_end_zero(gemm.grouped.scaled_nt(g_row, w_col, x_dtype, tensor_scaled=tensor_scaled), x_shape[0])
+        if weight_needs_grad:
+            x_col = GroupedOperand(x_data, x_scale_inv, ctx.x_groups, padded=True)
+            tensor_scaled = _tensor_scaled(linear.grad_output, linear.input)
+            grad_stack = gemm.grouped.scaled_nt(g_col, x_col, wgrad_dtype, tensor_scaled=tensor_scaled).to(stack_dtype)  # [experts, out, in]
+            grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
+        return grad_x, grad_stack, None, None, None, None
+
+
+def _tensor_scaled(*quantizers) -> bool:
+    return all(quantizer.grouped_scaling() == "tensor" for quantizer in quantizers)
+
+
+def _rows_past_end_zero(y: torch.Tensor, rows: int) -> torch.Tensor:
+    return y if y.shape[0] == rows else torch.cat([y, y.new_zeros((rows - y.shape[0], y.shape[1]))])
+
+
+def _casts_groups_at_once(linear: LinearQuantizers) -> bool:
+    """Whether GroupedFloat8Function takes the layer: a quantized backward, and roles whose every
+    group the format casts in one go and whose codes the FP8 grouped GEMM takes (E4M3 only: with
+    an E5M2 gradient, as `float8_current` casts it, the backward's GEMMs would run group by group
+    over strided copies, slower than the per-group path)."""
+    roles = (linear.input, linear.weight, linear.grad_output)
+    return linear.backward_override is None and all(
+        quantizer is not None and quantizer.grouped_scaling() is not None and quantizer.fp8_dtype == torch.float8_e4m3fn
+        for quantizer in roles
+    )
+
+
+def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out: bool, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """The groups `ends` marks (cumulative row ends, one per expert; `offs`, the same on x's device
+    where the caller has them there) through their experts' quantized linears, the stack's matrices
+    read as [in, out] where `in_out`; rows past the last end zero."""
     linear = stack.linear_quantizers
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{linear.name or 'An expert stack'}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
@@ -102,4 +173,8 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out
     grad_enabled = torch.is_grad_enabled()
     needs = (grad_enabled and x.requires_grad, grad_enabled and stack.requires_grad)
     with torch._C.DisableTorchFunctionSubclass():
+        if groups and _casts_groups_at_once(linear):
+            lengths = tuple(end - start for start, end in zip([0, *ends], ends))
+            device_ends = offs.to(x.device) if offs is not None else torch.tensor(ends, device=x.device)
+            return GroupedFloat8Function.apply(x, stack, RowGroups(lengths, device_ends), linear, needs, in_out)
         return GroupedLinearFunction.apply(x, stack, groups, linear, needs, in_out)

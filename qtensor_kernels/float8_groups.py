@@ -1,0 +1,112 @@
+"""Triton kernels of the grouped Float8 casts (qtensor/formats/float8_groups.py), bit-identical to
+their pure-torch references there:
+
+- `column_amax(x, starts, lengths, longest, rows)`: [G, K] finite amax of each column over each
+  group of rows of `x` [R, K] (group g: rows starts[g] ... starts[g] + lengths[g] - 1; 0 for an
+  empty group), and with `rows` each row's finite amax too, from the same read.
+- `cast(x, scale, starts, lengths, longest, fp8_dtype, row_out, col_out, col_bases, col_stride,
+  row_scale)`: each group's rows cast at its per-column scales `scale[g, k]` (a tensor scale: one
+  column broadcast), written transposed into `col_out` (group g's codes of column k at
+  `col_out[k * col_stride + col_bases[g] + i]` for its row i, running on to a multiple of 16 rows,
+  the grouped GEMM's alignment, with zero codes) and rowwise into `row_out` [R, K], at `row_scale`
+  [R] (one scale per row) where it is given. Both copies from one read of `x`.
+
+One program per (group, block of rows, block of columns); a block past its group's rows returns.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .float8 import _FP8_MAX, _codes, _finite_magnitude
+from .launch import launch
+
+_AMAX_TILE = (64, 64)  # rows per step, columns per program
+_CAST_TILE = (64, 64)  # rows, columns per program (rows a multiple of 16: the padded copies)
+ALIGN = 16
+
+
+@triton.jit
+def _column_amax_kernel(
+    x_ptr, starts_ptr, lengths_ptr, out_ptr, row_parts_ptr, K, stride_r, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    group = tl.program_id(0)
+    start, length = tl.load(starts_ptr + group), tl.load(lengths_ptr + group)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    top = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for first in range(0, length, BLOCK_R):
+        local = first + tl.arange(0, BLOCK_R)
+        rows = start + local.to(tl.int64)
+        mask = (local[:, None] < length) & (cols[None, :] < K)
+        magnitude = _finite_magnitude(tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+        top = tl.maximum(top, magnitude)
+        if ROWS:  # this block of columns' part of each row's amax
+            tl.store(row_parts_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.max(magnitude, axis=1), mask=local < length)
+    tl.store(out_ptr + group.to(tl.int64) * K + cols, tl.max(top, axis=0), mask=cols < K)
+
+
+def column_amax(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, longest: int, rows: bool = False):
+    """[G, K] fp32: the finite amax of each column of `x` [R, K] over each group's rows; with `rows`,
+    also [R] the finite amax of each row (from the same read)."""
+    groups, k = lengths.shape[0], x.shape[1]
+    out = torch.empty((groups, k), dtype=torch.float32, device=x.device)
+    block_r, block_k = _AMAX_TILE
+    parts = torch.zeros((x.shape[0], triton.cdiv(k, block_k)), dtype=torch.float32, device=x.device) if rows else None
+    if groups and k:
+        launch(_column_amax_kernel, (groups, triton.cdiv(k, block_k)), x, starts, lengths, out, parts if rows else out, k, x.stride(0),
+               ROWS=rows, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return (out, parts.amax(dim=1)) if rows else out
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, scale_ptr, row_scale_ptr, starts_ptr, lengths_ptr, bases_ptr, row_ptr, col_ptr, K, stride_r, scale_stride_g, scale_stride_k,
+    col_stride, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, ROWWISE: tl.constexpr, ROW_SCALES: tl.constexpr, COLUMNWISE: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    group = tl.program_id(0)
+    start, length = tl.load(starts_ptr + group), tl.load(lengths_ptr + group)
+    padded = (length + ALIGN - 1) // ALIGN * ALIGN
+    first = tl.program_id(1) * BLOCK_R
+    if first >= padded:
+        return
+    local = first + tl.arange(0, BLOCK_R)
+    rows = start + local.to(tl.int64)
+    cols = tl.program_id(2).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (local[:, None] < length) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + group.to(tl.int64) * scale_stride_g + cols * scale_stride_k, mask=cols < K, other=1.0)
+    codes = _codes(x, scale[None, :], FP8_MAX, E5M2)  # 0.0 (code 0) on the padding rows
+    if ROWWISE:
+        if ROW_SCALES:  # the rowwise copy at each row's own scale
+            row_scale = tl.load(row_scale_ptr + rows, mask=local < length, other=1.0)
+            row_codes = _codes(x, row_scale[:, None], FP8_MAX, E5M2)
+        else:
+            row_codes = codes
+        tl.store(row_ptr + rows[:, None] * K + cols[None, :], row_codes, mask=inside)
+    if COLUMNWISE:
+        base = tl.load(bases_ptr + group)
+        target = col_ptr + cols[:, None] * col_stride + base + local[None, :].to(tl.int64)
+        tl.store(target, tl.trans(codes), mask=(cols[:, None] < K) & (local[None, :] < padded))
+
+
+def cast(x, scale, starts, lengths, longest: int, fp8_dtype, row_out, col_out, col_bases, col_stride: int, row_scale=None) -> None:
+    """Write the grouped codes of `x` [R, K] at `scale` ([G, K], strides any) into `row_out` (at
+    `row_scale` [R] instead where given) and/or `col_out` (None: that copy is not written)."""
+    groups, k = lengths.shape[0], x.shape[1]
+    block_r, block_k = _CAST_TILE
+    if not groups or not k or longest == 0 or (row_out is None and col_out is None):
+        return
+    grid = (groups, triton.cdiv(longest, block_r), triton.cdiv(k, block_k))
+    row = row_out.view(torch.uint8) if row_out is not None else None
+    col = col_out.view(torch.uint8) if col_out is not None else None
+    launch(
+        _cast_kernel, grid,
+        x, scale, row_scale if row_scale is not None else scale, starts, lengths, col_bases if col_bases is not None else starts,
+        row if row is not None else col, col if col is not None else row, k, x.stride(0), scale.stride(0), scale.stride(1), col_stride,
+        FP8_MAX=_FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2, ROWWISE=row is not None, ROW_SCALES=row_scale is not None,
+        COLUMNWISE=col is not None, ALIGN=ALIGN, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+    )
+
+
+KERNELS = {"float8_groups.column_amax": column_amax, "float8_groups.cast": cast}
