@@ -19,6 +19,7 @@ import oracle
 import qtensor
 from qtensor.core.quantizer import RowGroups
 from qtensor.formats import float8_groups
+from qtensor.layers import grouped_linear
 from test_linear import CASES as DENSE_CASES
 from test_linear import assert_gemm_matches, varied
 
@@ -193,6 +194,33 @@ def test_e4m3_float8_groups_are_cast_all_at_once(case):
     with mock.patch.object(float8_groups, "cast_rows", wraps=float8_groups.cast_rows) as cast_rows:
         run_grouped(module, varied(ROWS, K, seed=2), varied(ROWS, N, seed=3), GROUPED_CALLS["F.grouped_mm"])
     assert cast_rows.call_count == (0 if case == "float8" else 2)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["stack [E, out, in]", "stack [E, in, out]"])
+def test_mxfp8_groups_padded_to_whole_blocks_match_the_oracle(transposed):
+    """MXFP8 with experts of whole 32-row blocks casts the routed rows as one tensor and their
+    columnwise copy with each group run on to whole blocks of zero rows (groups of 37 and 27 rows,
+    an empty one, rows past the last end), and multiplies each GEMM over all groups at once: each
+    group's output and gradients still match the oracle's per-group casts."""
+    experts, k, n, ends, rows = 4, 80, 64, [16, 16, 53, 80], 83
+    module = nn.Module()
+    values = varied(experts, n, k, seed=1)
+    module.weight_stack = nn.Parameter(values.transpose(1, 2).contiguous() if transposed else values)
+    module.is_transposed = transposed
+    qtensor.quantize_(module, factory_for("mxfp8"))
+    x, grad = varied(rows, k, seed=2), varied(rows, n, seed=3)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    stack = module.weight_stack if transposed else module.weight_stack.transpose(-2, -1)
+    with mock.patch.object(grouped_linear, "_padded", wraps=grouped_linear._padded) as padded:
+        y, x_grad, w_grad = run_grouped(module, x, grad, lambda m, x: F.grouped_mm(x, stack, offs=offs))
+    assert padded.call_count == 2  # the input's and the gradient's columnwise copies, each in one go
+    w_grad = w_grad.transpose(1, 2) if transposed else w_grad
+    for expert, (start, end) in enumerate(zip([0, *ends], ends)):
+        if end == start:
+            assert torch.equal(w_grad[expert], torch.zeros(n, k))
+            continue
+        check_group("mxfp8", y[start:end], x[start:end].numpy(), values[expert].numpy(), grad[start:end].numpy(), x_grad[start:end], w_grad[expert])
+    assert not y[ends[-1]:].any() and not x_grad[ends[-1]:].any()
 
 
 @pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "float8"])
@@ -425,10 +453,11 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ends", [[32, 32, 96, 128], [16, 16, 53, 112]], ids=["groups of 16s", "groups of any size"])
-@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise"])
-def test_float8_grouped_gemms_take_the_fp8_tensor_cores_in_one_launch(case, ends):
-    """A bf16 stack and input, every dimension a multiple of 16: each GEMM of the grouped linear is
-    one `torch._scaled_grouped_mm` over every group, within the bf16 output's rounding of the
+@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8"])
+def test_grouped_gemms_run_every_group_in_one_launch(case, ends):
+    """A bf16 stack and input, every dimension a multiple of 32: each GEMM of the grouped linear is
+    one grouped GEMM over every group (Float8: `torch._scaled_grouped_mm` on the FP8 tensor cores;
+    MXFP8: `torch._grouped_mm` over the exact bf16 values), within the bf16 output's rounding of the
     oracle's product, group by group."""
     experts, k, n, rows = 4, 128, 64, 128
     module = nn.Module()
@@ -438,9 +467,11 @@ def test_float8_grouped_gemms_take_the_fp8_tensor_cores_in_one_launch(case, ends
     module.cuda()
     x, grad = varied(rows, k, seed=2).to(torch.bfloat16), varied(rows, n, seed=3).to(torch.bfloat16)
     call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
-    with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches:
+    launcher = "_grouped_mm" if case == "mxfp8" else "_scaled_grouped_mm"
+    with mock.patch.object(torch, launcher, wraps=getattr(torch, launcher)) as launches:
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
-    assert launches.call_count == 3
+    # (the model's own call, on the stack, passes through the patched function on its way to qtensor)
+    assert sum(type(call.args[1]) is torch.Tensor for call in launches.call_args_list) == 3
     deq = CASES[case][1]
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:

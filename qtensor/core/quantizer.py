@@ -191,6 +191,14 @@ class Quantizer:
         GEMM casts its groups one by one through `quantize`."""
         return None
 
+    def group_block_rows(self) -> int | None:
+        """For a format without a tensor-wide scale whose values bf16 holds exactly: the rows of its
+        columnwise blocks. A grouped GEMM then casts all its groups as one tensor, each group run on
+        to a whole number of blocks with zero rows (no block spans two groups, so each group gets the
+        codes and scales of its own cast), and multiplies the values in one bf16 grouped GEMM. None
+        for any other format."""
+        return None
+
     def quantize_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
         """(rowwise, columnwise) GroupedOperand of `x` [M, K], each of the `groups` of consecutive
         rows cast as `quantize` would cast it alone (formats/float8_groups.py has the layouts)."""

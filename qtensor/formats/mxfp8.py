@@ -162,6 +162,9 @@ class MXFP8Quantizer(Quantizer):
     def tensor_amaxes(self, x, rowwise, columnwise):
         return []  # block scales only: a shard's cast needs nothing from the other ranks
 
+    def group_block_rows(self) -> int:
+        return BLOCK_SIZE  # E8M0 scales: the values are exact in bf16
+
     def _storage(self, direction, shape, data, scale_inv) -> "MXFP8Storage":
         return MXFP8Storage(direction=direction, rows=shape[0], cols=shape[1], fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv)
 

@@ -96,3 +96,32 @@ def _scaled_groups(a, b, lengths, out_dtype, tensor_scaled: bool, fast_accumulat
             target.copy_(_finish(_fp32_matmul(values(a_g, a_inv), values(b_g, b_inv).t()), None, out_dtype))
         start = end
     return out
+
+
+# ---- values bf16 holds exactly (MXFP8), every group in one launch ------------------------------
+def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """`grouped_mm(a, b, offs)` of two operands' dequantized values, the product summed in fp32 and
+    rounded once to `out_dtype`:
+
+        a [M, K], b [E, K, N]   C [M, N]      rows of group e times b_e        (fprop, dgrad)
+        a [N, M], b [M, K]      C [E, N, K]   group e's columns times its rows (wgrad)
+
+    On the bf16 tensor cores (`torch._grouped_mm`, bf16 out) where the values are bf16 (exact: the
+    caller's format holds them so); else the reference, group by group in fp32 (torch's CPU
+    grouped GEMM where it takes fp32)."""
+    if a.device.type == "cuda" and a.dtype == b.dtype == torch.bfloat16 and out_dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+    if a.device.type == "cpu":
+        return torch._grouped_mm(a.float(), b.float(), offs=offs.to(torch.int32)).to(out_dtype)
+    from .backends import _finish, _fp32_matmul
+
+    grouped_rows = b.dim() == 3
+    out = a.new_zeros((a.shape[0], b.shape[-1]) if grouped_rows else (len(lengths), a.shape[0], b.shape[1]), dtype=out_dtype)
+    start = 0
+    for group, length in enumerate(lengths):
+        end = start + length
+        if length:
+            a_g, b_g = (a[start:end], b[group]) if grouped_rows else (a[:, start:end], b[start:end])
+            (out[start:end] if grouped_rows else out[group]).copy_(_finish(_fp32_matmul(a_g.float(), b_g.float()), None, out_dtype))
+        start = end
+    return out

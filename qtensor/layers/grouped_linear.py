@@ -136,6 +136,84 @@ class GroupedFloat8Function(torch.autograd.Function):
         return grad_x, grad_stack, None, None, None, None
 
 
+class PaddedGroupsFunction(torch.autograd.Function):
+    """`GroupedLinearFunction` for formats without a tensor-wide scale whose values bf16 holds
+    exactly (`Quantizer.group_block_rows`: MXFP8) and a quantized backward. The routed rows are cast
+    as one tensor (a row's codes do not depend on its group); their columnwise copy, from the rows
+    with each group run on to a whole number of blocks with zero rows, so that no block spans two
+    groups; the stack's experts as one [E·N, K] matrix (N a whole number of blocks). Each GEMM is
+    one grouped GEMM over the dequantized values (`gemm.grouped.values_nt`). The codes and scales are
+    those of the groups and experts cast one by one."""
+
+    @staticmethod
+    def forward(ctx, x, stack, groups: RowGroups, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
+        input_needs_grad, weight_needs_grad = needs_grad
+        rows = x[: sum(groups.lengths)]
+        values = stack.plain()
+        weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
+        experts, n, k = weights.shape
+        x_q = _quantize(linear.input, rows, rowwise=True, columnwise=False)
+        padded = _padded(rows, _aligned(groups, linear)) if weight_needs_grad else None
+        x_col = _quantize(linear.input, padded, rowwise=False, columnwise=True) if weight_needs_grad else None
+        w_q = _quantize(linear.weight, weights.reshape(experts * n, k), rowwise=True, columnwise=input_needs_grad)
+        out_dtype = _output_dtype(x, stack)
+        y = gemm.grouped.values_nt(
+            _values(x_q, "rowwise"), _values(w_q, "rowwise").view(experts, n, k).transpose(-2, -1), groups.offsets(False), groups.lengths,
+            out_dtype,
+        )
+        saved, ctx.rebuilds = [], []
+        for tensor, needed in ((x_col, weight_needs_grad), (w_q, input_needs_grad)):
+            tensors, rebuild = _pack_saved(tensor, "columnwise") if needed else ([None], None)
+            ctx.rebuilds.append((len(tensors), rebuild))
+            saved.extend(tensors)
+        ctx.save_for_backward(*saved)
+        ctx.groups, ctx.linear, ctx.needs_grad, ctx.in_out = groups, linear, needs_grad, in_out
+        ctx.shapes = (x.shape, x.dtype, stack.dtype, weights.shape, torch.bfloat16 if out_dtype == torch.bfloat16 else stack.dtype)
+        return _rows_past_end_zero(y, x.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        linear, groups = ctx.linear, ctx.groups
+        input_needs_grad, weight_needs_grad = ctx.needs_grad
+        x_shape, x_dtype, stack_dtype, (experts, n, k), wgrad_dtype = ctx.shapes
+        (x_count, x_rebuild), (w_count, w_rebuild) = ctx.rebuilds
+        saved = ctx.saved_tensors
+        x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), _unpack_saved(saved[x_count:], w_rebuild)
+        grad = grad_out[: sum(groups.lengths)]
+        grad_x = grad_stack = None
+        if input_needs_grad:
+            g_row = _values(_quantize(linear.grad_output, grad, rowwise=True, columnwise=False), "rowwise")
+            w_values = _values(w_col, "columnwise").reshape(experts, n, k)  # each expert's [N, K], read along N
+            grad_x = _rows_past_end_zero(gemm.grouped.values_nt(g_row, w_values, groups.offsets(False), groups.lengths, x_dtype), x_shape[0])
+        if weight_needs_grad:
+            padded = _aligned(groups, linear)
+            g_col = _values(_quantize(linear.grad_output, _padded(grad, padded), rowwise=False, columnwise=True), "columnwise")
+            grad_stack = gemm.grouped.values_nt(
+                g_col.t(), _values(x_col, "columnwise"), padded.offsets(True), padded.padded, wgrad_dtype
+            ).to(stack_dtype)  # [experts, out, in]
+            grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
+        return grad_x, grad_stack, None, None, None, None
+
+
+def _aligned(groups: RowGroups, linear: LinearQuantizers) -> RowGroups:
+    """`groups` with each group's columnwise run a whole number of the format's blocks of rows."""
+    block = linear.input.group_block_rows()
+    return groups if groups.align == block else RowGroups(groups.lengths, groups.ends, align=block)
+
+
+def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+    """`rows` with each group followed by zero rows up to its padded length."""
+    out = rows.new_zeros((sum(groups.padded), rows.shape[1]))
+    of_rows = torch.repeat_interleave(torch.arange(len(groups.lengths), device=rows.device), groups.device_lengths, output_size=rows.shape[0])
+    out.index_copy_(0, torch.arange(rows.shape[0], device=rows.device) + (groups.bases - groups.starts)[of_rows], rows)
+    return out
+
+
+def _values(tensor: QuantizedTensor, direction: str) -> torch.Tensor:
+    """One direction's values, [rows, cols]: bf16 on a GPU (exact for these formats), fp32 elsewhere."""
+    return tensor.dequantize(torch.bfloat16 if tensor.storage_for(direction).device.type == "cuda" else torch.float32, direction)
+
+
 def _tensor_scaled(*quantizers) -> bool:
     return all(quantizer.grouped_scaling() == "tensor" for quantizer in quantizers)
 
@@ -144,16 +222,27 @@ def _rows_past_end_zero(y: torch.Tensor, rows: int) -> torch.Tensor:
     return y if y.shape[0] == rows else torch.cat([y, y.new_zeros((rows - y.shape[0], y.shape[1]))])
 
 
-def _casts_groups_at_once(linear: LinearQuantizers) -> bool:
-    """Whether GroupedFloat8Function takes the layer: a quantized backward, and roles whose every
+def _casts_groups_at_once(linear: LinearQuantizers):
+    """GroupedFloat8Function where it takes the layer: a quantized backward, and roles whose every
     group the format casts in one go and whose codes the FP8 grouped GEMM takes (E4M3 only: with
     an E5M2 gradient, as `float8_current` casts it, the backward's GEMMs would run group by group
     over strided copies, slower than the per-group path)."""
     roles = (linear.input, linear.weight, linear.grad_output)
-    return linear.backward_override is None and all(
+    takes = linear.backward_override is None and all(
         quantizer is not None and quantizer.grouped_scaling() is not None and quantizer.fp8_dtype == torch.float8_e4m3fn
         for quantizer in roles
     )
+    return GroupedFloat8Function if takes else None
+
+
+def _pads_groups(linear: LinearQuantizers, stack, in_out: bool):
+    """PaddedGroupsFunction where it takes the layer: a quantized backward, every role's format
+    casting padded groups as one tensor with one block size, and experts of whole blocks of rows."""
+    roles = (linear.input, linear.weight, linear.grad_output)
+    blocks = {quantizer.group_block_rows() if quantizer is not None else None for quantizer in roles}
+    out_features = stack.shape[-1] if in_out else stack.shape[-2]
+    takes = linear.backward_override is None and len(blocks) == 1 and None not in blocks and out_features % blocks.pop() == 0
+    return PaddedGroupsFunction if takes else None
 
 
 def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out: bool, offs: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,8 +262,9 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out
     grad_enabled = torch.is_grad_enabled()
     needs = (grad_enabled and x.requires_grad, grad_enabled and stack.requires_grad)
     with torch._C.DisableTorchFunctionSubclass():
-        if groups and _casts_groups_at_once(linear):
+        grouped = _casts_groups_at_once(linear) or _pads_groups(linear, stack, in_out)
+        if groups and grouped:
             lengths = tuple(end - start for start, end in zip([0, *ends], ends))
             device_ends = offs.to(x.device) if offs is not None else torch.tensor(ends, device=x.device)
-            return GroupedFloat8Function.apply(x, stack, RowGroups(lengths, device_ends), linear, needs, in_out)
+            return grouped.apply(x, stack, RowGroups(lengths, device_ends), linear, needs, in_out)
         return GroupedLinearFunction.apply(x, stack, groups, linear, needs, in_out)
