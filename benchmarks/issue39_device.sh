@@ -14,4 +14,4 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_experts.py tests/test_cuda_kernels.py -k "experts or grouped or every_kernel" >"$OUT/experts_cuda.log" 2>&1
 echo "experts cuda tests rc=$?: $(tail -1 "$OUT/experts_cuda.log")"
 grep -E "^(FAILED|ERROR)|Error:|error/bound" "$OUT/experts_cuda.log" | head -20
-timeout 300 python3 benchmarks/bench_moe.py "$@" 2>&1 | tee "$OUT/bench_moe.log"
+timeout 420 python3 benchmarks/bench_moe.py "$@" 2>&1 | tee "$OUT/bench_moe.log"

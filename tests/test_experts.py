@@ -196,13 +196,23 @@ def test_e4m3_float8_groups_are_cast_all_at_once(case):
     assert cast_rows.call_count == (0 if case == "float8" else 2)
 
 
+MANY_ENDS = {  # ten experts (more than grouped_linear.FEW_EXPERTS), three rows past the last end
+    "groups of any size": [16, 16, 53, 80, 80, 96, 96, 96, 133, 160],
+    "groups of whole blocks": [32, 32, 64, 128, 128, 128, 128, 160, 160, 160],
+}
+
+
+@pytest.mark.parametrize("ends", list(MANY_ENDS))
 @pytest.mark.parametrize("transposed", [False, True], ids=["stack [E, out, in]", "stack [E, in, out]"])
-def test_mxfp8_groups_padded_to_whole_blocks_match_the_oracle(transposed):
-    """MXFP8 with experts of whole 32-row blocks casts the routed rows as one tensor and their
-    columnwise copy with each group run on to whole blocks of zero rows (groups of 37 and 27 rows,
-    an empty one, rows past the last end), and multiplies each GEMM over all groups at once: each
-    group's output and gradients still match the oracle's per-group casts."""
-    experts, k, n, ends, rows = 4, 80, 64, [16, 16, 53, 80], 83
+def test_mxfp8_groups_padded_to_whole_blocks_match_the_oracle(transposed, ends):
+    """MXFP8 over more than a few experts of whole 32-row blocks casts the routed rows as one tensor
+    and their columnwise copy with each group run on to whole blocks of zero rows (groups of 37 and
+    27 rows, empty ones, rows past the last end; no padding where every group is whole blocks), and
+    multiplies each GEMM over all groups at once: each group's output and gradients still match the
+    oracle's per-group casts."""
+    padding = ends == "groups of any size"
+    ends = MANY_ENDS[ends]
+    experts, k, n, rows = 10, 80, 64, ends[-1] + 3
     module = nn.Module()
     values = varied(experts, n, k, seed=1)
     module.weight_stack = nn.Parameter(values.transpose(1, 2).contiguous() if transposed else values)
@@ -213,7 +223,7 @@ def test_mxfp8_groups_padded_to_whole_blocks_match_the_oracle(transposed):
     stack = module.weight_stack if transposed else module.weight_stack.transpose(-2, -1)
     with mock.patch.object(grouped_linear, "_padded", wraps=grouped_linear._padded) as padded:
         y, x_grad, w_grad = run_grouped(module, x, grad, lambda m, x: F.grouped_mm(x, stack, offs=offs))
-    assert padded.call_count == 2  # the input's and the gradient's columnwise copies, each in one go
+    assert padded.call_count == (2 if padding else 0)  # the input's and the gradient's columnwise copies, each in one go
     w_grad = w_grad.transpose(1, 2) if transposed else w_grad
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:
@@ -452,14 +462,15 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("ends", [[32, 32, 96, 128], [16, 16, 53, 112]], ids=["groups of 16s", "groups of any size"])
+@pytest.mark.parametrize("ends", [[32, 32, 96, 128, 128, 160, 192, 192, 224, 256], [16, 16, 53, 112, 112, 130, 161, 161, 200, 240]],
+                         ids=["groups of 16s", "groups of any size"])
 @pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8"])
 def test_grouped_gemms_run_every_group_in_one_launch(case, ends):
     """A bf16 stack and input, every dimension a multiple of 32: each GEMM of the grouped linear is
     one grouped GEMM over every group (Float8: `torch._scaled_grouped_mm` on the FP8 tensor cores;
     MXFP8: `torch._grouped_mm` over the exact bf16 values), within the bf16 output's rounding of the
     oracle's product, group by group."""
-    experts, k, n, rows = 4, 128, 64, 128
+    experts, k, n, rows = 10, 128, 64, 256
     module = nn.Module()
     module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(torch.bfloat16))
     w = [module.weight_stack[e].detach().float().numpy() for e in range(experts)]

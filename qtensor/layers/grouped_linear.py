@@ -136,6 +136,9 @@ class GroupedFloat8Function(torch.autograd.Function):
         return grad_x, grad_stack, None, None, None, None
 
 
+FEW_EXPERTS = 8  # a stack of at most this many experts multiplies MXFP8 group by group (`_pads_groups`)
+
+
 class PaddedGroupsFunction(torch.autograd.Function):
     """`GroupedLinearFunction` for formats without a tensor-wide scale whose values bf16 holds
     exactly (`Quantizer.group_block_rows`: MXFP8) and a quantized backward. The routed rows are cast
@@ -152,9 +155,12 @@ class PaddedGroupsFunction(torch.autograd.Function):
         values = stack.plain()
         weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
         experts, n, k = weights.shape
-        x_q = _quantize(linear.input, rows, rowwise=True, columnwise=False)
-        padded = _padded(rows, _aligned(groups, linear)) if weight_needs_grad else None
-        x_col = _quantize(linear.input, padded, rowwise=False, columnwise=True) if weight_needs_grad else None
+        aligned = _aligned(groups, linear)
+        if weight_needs_grad and aligned.padded == aligned.lengths:  # whole blocks already: both copies from one cast
+            x_q = x_col = _quantize(linear.input, rows, rowwise=True, columnwise=True)
+        else:
+            x_q = _quantize(linear.input, rows, rowwise=True, columnwise=False)
+            x_col = _quantize(linear.input, _padded(rows, aligned), rowwise=False, columnwise=True) if weight_needs_grad else None
         w_q = _quantize(linear.weight, weights.reshape(experts * n, k), rowwise=True, columnwise=input_needs_grad)
         out_dtype = _output_dtype(x, stack)
         y = gemm.grouped.values_nt(
@@ -181,13 +187,15 @@ class PaddedGroupsFunction(torch.autograd.Function):
         x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), _unpack_saved(saved[x_count:], w_rebuild)
         grad = grad_out[: sum(groups.lengths)]
         grad_x = grad_stack = None
+        padded = _aligned(groups, linear)
+        both = input_needs_grad and weight_needs_grad and padded.padded == padded.lengths  # both copies from one cast
+        g_q = _quantize(linear.grad_output, grad, rowwise=True, columnwise=True) if both else None
         if input_needs_grad:
-            g_row = _values(_quantize(linear.grad_output, grad, rowwise=True, columnwise=False), "rowwise")
+            g_row = _values(g_q if both else _quantize(linear.grad_output, grad, rowwise=True, columnwise=False), "rowwise")
             w_values = _values(w_col, "columnwise").reshape(experts, n, k)  # each expert's [N, K], read along N
             grad_x = _rows_past_end_zero(gemm.grouped.values_nt(g_row, w_values, groups.offsets(False), groups.lengths, x_dtype), x_shape[0])
         if weight_needs_grad:
-            padded = _aligned(groups, linear)
-            g_col = _values(_quantize(linear.grad_output, _padded(grad, padded), rowwise=False, columnwise=True), "columnwise")
+            g_col = _values(g_q if both else _quantize(linear.grad_output, _padded(grad, padded), rowwise=False, columnwise=True), "columnwise")
             grad_stack = gemm.grouped.values_nt(
                 g_col.t(), _values(x_col, "columnwise"), padded.offsets(True), padded.padded, wgrad_dtype
             ).to(stack_dtype)  # [experts, out, in]
@@ -203,6 +211,8 @@ def _aligned(groups: RowGroups, linear: LinearQuantizers) -> RowGroups:
 
 def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     """`rows` with each group followed by zero rows up to its padded length."""
+    if groups.padded == groups.lengths:
+        return rows
     out = rows.new_zeros((sum(groups.padded), rows.shape[1]))
     of_rows = torch.repeat_interleave(torch.arange(len(groups.lengths), device=rows.device), groups.device_lengths, output_size=rows.shape[0])
     out.index_copy_(0, torch.arange(rows.shape[0], device=rows.device) + (groups.bases - groups.starts)[of_rows], rows)
@@ -242,7 +252,9 @@ def _pads_groups(linear: LinearQuantizers, stack, in_out: bool):
     blocks = {quantizer.group_block_rows() if quantizer is not None else None for quantizer in roles}
     out_features = stack.shape[-1] if in_out else stack.shape[-2]
     takes = linear.backward_override is None and len(blocks) == 1 and None not in blocks and out_features % blocks.pop() == 0
-    return PaddedGroupsFunction if takes else None
+    # With few experts, each large, group by group is faster (it casts each group's two copies from
+    # one read; measured on an H100 at Mixtral-like shapes, 8 experts: 0.87x bf16 against 0.80x).
+    return PaddedGroupsFunction if takes and stack.shape[0] > FEW_EXPERTS else None
 
 
 def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out: bool, offs: torch.Tensor | None = None) -> torch.Tensor:
