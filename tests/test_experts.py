@@ -204,32 +204,36 @@ MANY_ENDS = {  # ten experts (more than grouped_linear.FEW_EXPERTS), three rows 
 
 @pytest.mark.parametrize("ends", list(MANY_ENDS))
 @pytest.mark.parametrize("transposed", [False, True], ids=["stack [E, out, in]", "stack [E, in, out]"])
-def test_mxfp8_groups_padded_to_whole_blocks_match_the_oracle(transposed, ends):
-    """MXFP8 over more than a few experts of whole 32-row blocks casts the routed rows as one tensor
-    and their columnwise copy with each group run on to whole blocks of zero rows (groups of 37 and
-    27 rows, empty ones, rows past the last end; no padding where every group is whole blocks), and
-    multiplies each GEMM over all groups at once: each group's output and gradients still match the
-    oracle's per-group casts."""
-    padding = ends == "groups of any size"
+@pytest.mark.parametrize("case", ["mxfp8", "float8"])
+def test_many_experts_cast_every_group_at_once_and_match_the_oracle(case, transposed, ends):
+    """Over more than a few experts (groups of 37 and 27 rows, empty ones, rows past the last end):
+    MXFP8 with experts of whole 32-row blocks casts the routed rows as one tensor and their
+    columnwise copy with each group run on to whole blocks of zero rows (none where every group is
+    whole blocks); per-tensor Float8 with its E5M2 gradient casts every group at once and runs the
+    backward's GEMMs group by group on those casts. Each group's output and gradients still match
+    the oracle's per-group casts."""
+    padding = ends == "groups of any size" and case == "mxfp8"
     ends = MANY_ENDS[ends]
     experts, k, n, rows = 10, 80, 64, ends[-1] + 3
     module = nn.Module()
     values = varied(experts, n, k, seed=1)
     module.weight_stack = nn.Parameter(values.transpose(1, 2).contiguous() if transposed else values)
     module.is_transposed = transposed
-    qtensor.quantize_(module, factory_for("mxfp8"))
+    qtensor.quantize_(module, factory_for(case))
     x, grad = varied(rows, k, seed=2), varied(rows, n, seed=3)
     offs = torch.tensor(ends, dtype=torch.int32)
     stack = module.weight_stack if transposed else module.weight_stack.transpose(-2, -1)
-    with mock.patch.object(grouped_linear, "_padded", wraps=grouped_linear._padded) as padded:
+    with mock.patch.object(grouped_linear, "_padded", wraps=grouped_linear._padded) as padded, \
+            mock.patch.object(float8_groups, "cast_rows", wraps=float8_groups.cast_rows) as cast_rows:
         y, x_grad, w_grad = run_grouped(module, x, grad, lambda m, x: F.grouped_mm(x, stack, offs=offs))
     assert padded.call_count == (2 if padding else 0)  # the input's and the gradient's columnwise copies, each in one go
+    assert cast_rows.call_count == (2 if case == "float8" else 0)  # the input's casts, and the gradient's
     w_grad = w_grad.transpose(1, 2) if transposed else w_grad
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:
             assert torch.equal(w_grad[expert], torch.zeros(n, k))
             continue
-        check_group("mxfp8", y[start:end], x[start:end].numpy(), values[expert].numpy(), grad[start:end].numpy(), x_grad[start:end], w_grad[expert])
+        check_group(case, y[start:end], x[start:end].numpy(), values[expert].numpy(), grad[start:end].numpy(), x_grad[start:end], w_grad[expert])
     assert not y[ends[-1]:].any() and not x_grad[ends[-1]:].any()
 
 
@@ -464,11 +468,13 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ends", [[32, 32, 96, 128, 128, 160, 192, 192, 224, 256], [16, 16, 53, 112, 112, 130, 161, 161, 200, 240]],
                          ids=["groups of 16s", "groups of any size"])
-@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8"])
+@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8", "float8"])
 def test_grouped_gemms_run_every_group_in_one_launch(case, ends):
-    """A bf16 stack and input, every dimension a multiple of 32: each GEMM of the grouped linear is
-    one grouped GEMM over every group (Float8: `torch._scaled_grouped_mm` on the FP8 tensor cores;
-    MXFP8: `torch._grouped_mm` over the exact bf16 values), within the bf16 output's rounding of the
+    """A bf16 stack of ten experts and its input, every dimension a multiple of 32: each GEMM of the
+    grouped linear is one grouped GEMM over every group (Float8: `torch._scaled_grouped_mm` on the
+    FP8 tensor cores; MXFP8: `torch._grouped_mm` over the exact bf16 values; per-tensor Float8 with
+    an E5M2 gradient: the forward so, the backward group by group on the FP8 tensor cores, reading
+    each group's slice of the grouped casts in place), within the bf16 output's rounding of the
     oracle's product, group by group."""
     experts, k, n, rows = 10, 128, 64, 256
     module = nn.Module()
@@ -482,7 +488,7 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends):
     with mock.patch.object(torch, launcher, wraps=getattr(torch, launcher)) as launches:
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
     # (the model's own call, on the stack, passes through the patched function on its way to qtensor)
-    assert sum(type(call.args[1]) is torch.Tensor for call in launches.call_args_list) == 3
+    assert sum(type(call.args[1]) is torch.Tensor for call in launches.call_args_list) == (1 if case == "float8" else 3)
     deq = CASES[case][1]
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:

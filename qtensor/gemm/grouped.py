@@ -67,8 +67,18 @@ def _grouped_fp8_fits(a, b, out_dtype: torch.dtype) -> bool:
     return all(size % 16 == 0 for size in (a.data.shape[-1], *b.data.shape[-2:]))
 
 
+def _pair_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `_scaled_mm` takes FP8 codes A [M, K] and B [N, K], each row-major with its rows
+    16-byte aligned (a group's slice of a larger copy): every dimension a multiple of 16, and not
+    both E5M2 (as backends._fp8_pair_fits for whole tensors)."""
+    (m, k), (n, k_b) = a.shape, b.shape
+    if k != k_b or m % 16 or n % 16 or k % 16 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 16 or b.stride(0) % 16:
+        return False
+    return not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
+
+
 def _scaled_groups(a, b, lengths, out_dtype, tensor_scaled: bool, fast_accumulation: bool) -> torch.Tensor:
-    from .backends import _finish, _fp32_matmul, _fp8_pair_fits
+    from .backends import _finish, _fp32_matmul
 
     grouped_rows = b.data.dim() == 3
     if grouped_rows:
@@ -83,11 +93,11 @@ def _scaled_groups(a, b, lengths, out_dtype, tensor_scaled: bool, fast_accumulat
             continue
         if grouped_rows:  # this group's rows of A, expert `group` of B
             a_g, a_inv, b_g, b_inv = a.data[start:end], a.scale_inv[start:end], b.data[group], b.scale_inv[group]
-        else:  # this group's columns of both
-            a_g, a_inv = a.data[:, start:end].contiguous(), a.scale_inv[group]
-            b_g, b_inv = b.data[:, start:end].contiguous(), b.scale_inv[group]
+        else:  # this group's columns of both: row-major slices, each row 16-byte aligned (runs of 16 columns)
+            a_g, a_inv = a.data[:, start:end], a.scale_inv[group]
+            b_g, b_inv = b.data[:, start:end], b.scale_inv[group]
         target = out[start:end] if grouped_rows else out[group]
-        if tensor_scaled and a_g.device.type == "cuda" and _fp8_pair_fits(a_g, b_g):
+        if tensor_scaled and a_g.device.type == "cuda" and _pair_fits(a_g, b_g):
             target.copy_(torch._scaled_mm(
                 a_g, b_g.t(), scale_a=a_inv[0], scale_b=b_inv[0], out_dtype=out_dtype, use_fast_accum=fast_accumulation
             ))
