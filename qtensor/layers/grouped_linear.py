@@ -1,11 +1,19 @@
 """An expert stack's grouped linear: `grouped_mm(x, stack, offs)` with each group of rows through its
-expert's quantized linear, as one autograd Function over the whole stack (layers/experts.py).
+expert's quantized linear, as one autograd Function over the whole stack (layers/experts.py). The
+weight gradient is written into the stack's gradient whole: no per-expert autograd node, no
+gradient of the whole stack per expert.
 
-Each group's input, each hit expert's matrix and each group's gradient is cast on its own, with the
-usages its backward needs, exactly as that expert's quantized linear would cast them (linear.py); the
-products run group by group (gemm/grouped.py). The weight gradient is written straight into the
-stack's gradient, expert by expert: no per-expert autograd node, no gradient of the whole stack per
-expert.
+Three Functions, one picked per layer (`grouped_linear`); all three give each group the codes and
+scales of its own cast, as that expert's quantized linear would cast it (linear.py):
+
+- `GroupedFloat8Function`: Float8 roles (per-tensor current scaling, row-wise) cast every group at
+  once (`Quantizer.quantize_groups` / `quantize_stack`), each GEMM one grouped FP8 GEMM
+  (`gemm.grouped.scaled_nt`);
+- `PaddedGroupsFunction`: MXFP8 over more than a few experts, the routed rows cast as one tensor
+  with each group padded to whole blocks for the columnwise copy, each GEMM one bf16 grouped GEMM
+  over the exact values (`gemm.grouped.values_nt`);
+- `GroupedLinearFunction`: any other layer, each group cast and multiplied in turn
+  (`gemm.grouped.fprop` / `dgrad` / `wgrad`), every backward override included.
 """
 
 from __future__ import annotations
