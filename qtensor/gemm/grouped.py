@@ -72,7 +72,7 @@ def _pair_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     16-byte aligned (a group's slice of a larger copy): K and N multiples of 16, M any (a group of
     any number of rows; checked on an H100 for 1, 5, 37 and 130 rows, row slices included), and not
     both E5M2."""
-    (_, k), (n, k_b) = a.shape, b.shape
+    (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b or n % 16 or k % 16 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 16 or b.stride(0) % 16:
         return False
     return not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
