@@ -70,7 +70,9 @@ def _grouped_fp8_fits(a, b, out_dtype: torch.dtype) -> bool:
 def _pair_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `_scaled_mm` takes FP8 codes A [M, K] and B [N, K], each row-major with its rows
     16-byte aligned (a group's slice of a larger copy): every dimension a multiple of 16, and not
-    both E5M2 (as backends._fp8_pair_fits for whole tensors)."""
+    both E5M2 (as backends._fp8_pair_fits for whole tensors). M too: on an H100, cuBLAS took an
+    E5M2 × E4M3 product of 37 rows and refused one of 59 (CUBLAS_STATUS_NOT_SUPPORTED); such a
+    group runs on the reference."""
     (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b or m % 16 or n % 16 or k % 16 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 16 or b.stride(0) % 16:
         return False
