@@ -13,7 +13,7 @@ from torch import nn
 import qtensor
 from workers import worker_main
 
-RECIPES = ["float8_current", "mxfp8", "nvfp4"]
+RECIPES = ["float8_current", "float8_rowwise", "mxfp8", "nvfp4"]  # float8_rowwise: every group cast at once
 
 
 class Experts(nn.Module):
