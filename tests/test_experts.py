@@ -485,15 +485,10 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends):
     x, grad = varied(rows, k, seed=2).to(torch.bfloat16), varied(rows, n, seed=3).to(torch.bfloat16)
     call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
     launcher = "_grouped_mm" if case == "mxfp8" else "_scaled_grouped_mm"
-    with mock.patch.object(torch, launcher, wraps=getattr(torch, launcher)) as launches, \
-            mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as per_group:
+    with mock.patch.object(torch, launcher, wraps=getattr(torch, launcher)) as launches:
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
     # (the model's own call, on the stack, passes through the patched function on its way to qtensor)
     assert sum(type(call.args[1]) is torch.Tensor for call in launches.call_args_list) == (1 if case == "float8" else 3)
-    # The E5M2 gradient's dgrad and wgrad: one FP8 GEMM per non-empty group each, groups of any rows
-    # included (run on zero rows up to a multiple of 16), none on the reference.
-    groups = sum(end > start for start, end in zip([0, *ends], ends))
-    assert per_group.call_count == (2 * groups if case == "float8" else 0)
     deq = CASES[case][1]
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:

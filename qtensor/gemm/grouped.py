@@ -71,8 +71,8 @@ def _pair_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `_scaled_mm` takes FP8 codes A [M, K] and B [N, K], each row-major with its rows
     16-byte aligned (a group's slice of a larger copy): every dimension a multiple of 16, and not
     both E5M2 (as backends._fp8_pair_fits for whole tensors). M too: on an H100, cuBLAS took an
-    E5M2 × E4M3 product of 37 rows and refused one of 59 (CUBLAS_STATUS_NOT_SUPPORTED), so
-    `_scaled_groups` runs such a group of rows on zero rows up to a multiple of 16."""
+    E5M2 × E4M3 product of 37 rows and refused one of 59 (CUBLAS_STATUS_NOT_SUPPORTED); such a
+    group runs on the reference."""
     (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b or m % 16 or n % 16 or k % 16 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 16 or b.stride(0) % 16:
         return False
@@ -99,17 +99,10 @@ def _scaled_groups(a, b, lengths, out_dtype, tensor_scaled: bool, fast_accumulat
             a_g, a_inv = a.data[:, start:end], a.scale_inv[group]
             b_g, b_inv = b.data[:, start:end], b.scale_inv[group]
         target = out[start:end] if grouped_rows else out[group]
-        rows = -(-length // 16) * 16
-        if grouped_rows and rows != length and tensor_scaled and a_g.device.type == "cuda":
-            # A group of rows not a multiple of 16 on zero rows up to one (cuBLAS refuses some such
-            # products, see `_pair_fits`); the zero rows' products are left out.
-            padded = a_g.new_zeros((rows, a_g.shape[1]))
-            padded[:length].copy_(a_g)
-            a_g = padded
         if tensor_scaled and a_g.device.type == "cuda" and _pair_fits(a_g, b_g):
             target.copy_(torch._scaled_mm(
                 a_g, b_g.t(), scale_a=a_inv[0], scale_b=b_inv[0], out_dtype=out_dtype, use_fast_accum=fast_accumulation
-            )[:length])
+            ))
         else:
             values = lambda codes, inv: codes.float() * inv[:, None]
             target.copy_(_finish(_fp32_matmul(values(a_g, a_inv), values(b_g, b_inv).t()), None, out_dtype))
