@@ -511,15 +511,22 @@ def gemm_within(actual, a, b, relative=1e-3):
 def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
     """FSDP2 over 2 gloo ranks shards a dynamic stack along its experts and gathers its values for
     each use (a gather of the stack's high-precision values: its casts, one per expert, run on the
-    gathered stack); three steps of each current-scaling recipe end where one process ends. A stack
-    with delayed scaling is refused, saying so."""
+    gathered stack); three steps of each recipe end where one process ends. With delayed scaling
+    every expert's amax histories end equal too, also with two micro-batches a step: a gather of new
+    values (after an optimizer step) counts as a write of the gathered stack, whose casts and weight
+    amaxes are then made again, and a gather of the same values (the next micro-batch) does not."""
     import workers
 
     out = tmp_path / "results.pt"
     workers.launch("experts_fsdp_case.py", out, world=2, timeout=300)
     results = torch.load(out, weights_only=False)
-    assert "FSDP2 of an expert stack with delayed scaling (one amax history per expert) is not built yet" in results.pop("delayed")
+    assert {"float8_delayed", "float8_delayed, 2 micro-batches", "float8_current", "float8_rowwise"} <= set(results)
     for recipe, result in results.items():
+        single_histories, sharded_histories = result["histories"]
+        assert single_histories.keys() == sharded_histories.keys()
+        assert bool(single_histories) == recipe.startswith("float8_delayed"), recipe
+        for name, history in single_histories.items():
+            assert torch.equal(sharded_histories[name], history), (recipe, name)
         assert set(result["types"].values()) == {"DynamicWeight"}, recipe
         np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5, err_msg=recipe)
         for name, expected in result["expected"].items():

@@ -184,7 +184,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def __deepcopy__(self, memo):
         duplicate = DynamicWeight(copy.deepcopy(self._data, memo), self.linear_quantizers, self.requires_grad)
         # The copy starts with its own write log and no cached quantized copies.
-        left_out = ("_data", "_writes", "shard_cast", "reduced_amaxes", "rowwise_cast_suffices")
+        left_out = ("_data", "_writes", "shard_cast", "reduced_amaxes", "rowwise_cast_suffices", "gathered_writes")
         state = {k: v for k, v in self.__dict__.items() if k not in left_out}
         duplicate.__dict__.update(copy.deepcopy(state, memo))
         return duplicate
@@ -200,12 +200,6 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         # in_features, across the rows of what the GEMM reads, so it gathers its high-precision
         # values and is quantized at use, as on one process.
         if not self._casts_shard():
-            if linear.experts:
-                raise NotImplementedError(
-                    f"{linear.name or 'An expert stack'}: FSDP2 of an expert stack with delayed scaling (one amax history "
-                    "per expert) is not built yet. Use current scaling for the experts (a factory may choose by "
-                    "role.module_type == 'experts'), or keep the stack out of fully_shard."
-                )
             values = self._data if mp_policy.param_dtype is None else self._data.to(mp_policy.param_dtype)
             padded = values.new_zeros((ceil_div(outer_size[0], mesh.size()), *outer_size[1:]))
             padded[: values.shape[0]].copy_(values)
@@ -227,10 +221,17 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         if plan is None:
             (gathered,) = all_gather_outputs
             values = gathered[: outer_size[0]].reshape(outer_size).to(param_dtype)
+            # The gathered weight is written with its version counter kept: where this shard's values
+            # changed since the last gather (an optimizer step), it counts a write, as the parameter of
+            # one process does, so that its kept casts (and delayed scaling's record of the weight's
+            # amax) are made again; another gather of the same values (the next micro-batch) is not one.
+            written, self.gathered_writes = self.__dict__.get("gathered_writes") != self._writes.count, self._writes.count
             if out is not None:
                 out = getattr(out, "_local_tensor", out)  # a DTensor over tensor parallelism
                 with torch.autograd._unsafe_preserve_version_counter(out._data):  # as fsdp._write_into
                     out._data.copy_(values)
+                if written:
+                    out._writes.record_write()
                 return None
             unsharded = DynamicWeight(values.clone(), self.linear_quantizers)
             return unsharded, (unsharded._data,)
