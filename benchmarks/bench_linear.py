@@ -19,15 +19,13 @@ Llama-3-8B-shaped decoder blocks.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import qtensor
-from timing import back_to_back_ms, copy_bandwidth, median_ms, varied
+from timing import back_to_back_ms, copy_bandwidth, median_ms, median_step_s, varied
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 4096), (8192, 4096, 14336), (4096, 2048, 2048)]
 QTENSOR_RECIPES = "float8_current,float8_delayed,mxfp8,nvfp4,mxfp8_fwd_nvfp4_bwd"
@@ -174,20 +172,10 @@ def stack_step_stats(recipe, blocks, sequence, steps):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    seconds, peak = median_step_s(step, steps, warmup=2)
     del model, optimizer
     torch.cuda.empty_cache()
-    return sequence / statistics.median(times), peak, held[-1] / 2**30
+    return sequence / seconds, peak, held[-1] / 2**30
 
 
 def stack_table(recipes, blocks, sequence, steps=6):
