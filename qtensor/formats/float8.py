@@ -151,8 +151,7 @@ class Float8Quantizer(CastsGroups, Quantizer):
     def compute_scale(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 scale this quantizer would use for `x` now (docs/numerics.md, Float8)."""
         if self.scaling == "current":
-            amax = torch.clamp_min(tensor_amax(x), self.amax_epsilon)
-            return self._finish(scale_from_amax(amax, fp8_max(self.fp8_dtype)))
+            return self._current_scale(tensor_amax(x))
         history = self._history_on(x.device)
         window_amax = history.max() if self.amax_compute_algo == "max" else history[-1]
         amax = torch.clamp_min(window_amax, self.amax_epsilon)
@@ -165,8 +164,11 @@ class Float8Quantizer(CastsGroups, Quantizer):
 
     def group_scales(self, amax: torch.Tensor) -> torch.Tensor:
         """[G, K] scales from each group's column amaxes [G, K]: one current scale per group."""
-        per_group = self._finish(scale_from_amax(torch.clamp_min(amax.amax(dim=1), self.amax_epsilon), fp8_max(self.fp8_dtype)))
-        return per_group[:, None].expand(amax.shape)
+        return self._current_scale(amax.amax(dim=1))[:, None].expand(amax.shape)
+
+    def _current_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """Current scaling's scale (of each element of `amax`, a tensor's amax)."""
+        return self._finish(scale_from_amax(torch.clamp_min(amax, self.amax_epsilon), fp8_max(self.fp8_dtype)))
 
     def _finish(self, scale: torch.Tensor) -> torch.Tensor:
         return round_down_pow2(scale) if self.force_pow_2_scales else scale
