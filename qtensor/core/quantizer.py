@@ -53,12 +53,22 @@ class RowGroups:
         self.ends = ends.long()
         self.device_lengths = torch.diff(self.ends, prepend=self.ends.new_zeros(1))
         self.starts = self.ends - self.device_lengths
-        self.padded_ends = torch.cumsum((self.device_lengths + align - 1) // align * align, 0)
-        self.bases = bases if bases is not None else self.padded_ends - (self.device_lengths + align - 1) // align * align
+        padded_lengths = (self.device_lengths + align - 1) // align * align
+        self.padded_ends = torch.cumsum(padded_lengths, 0)
+        self.bases = bases if bases is not None else self.padded_ends - padded_lengths
 
     def offsets(self, padded: bool) -> torch.Tensor:
         """int32 group ends on the device, of the rows or of the padded runs: a grouped GEMM's `offs`."""
         return (self.padded_ends if padded else self.ends).to(torch.int32)
+
+    def of_rows(self) -> torch.Tensor:
+        """The group of every row, on the device."""
+        groups = torch.arange(len(self.lengths), device=self.ends.device)
+        return torch.repeat_interleave(groups, self.device_lengths, output_size=sum(self.lengths))
+
+    def positions(self) -> torch.Tensor:
+        """Where every row lands in the padded runs: its group's base plus its place in the group."""
+        return torch.arange(sum(self.lengths), device=self.ends.device) + (self.bases - self.starts)[self.of_rows()]
 
 
 class GroupedOperand(NamedTuple):

@@ -48,11 +48,6 @@ class CastsGroups:
         return cast_stack(self, stack, rowwise, columnwise)
 
 
-def _of_rows(groups: RowGroups, device) -> torch.Tensor:
-    """The group of every row."""
-    return torch.repeat_interleave(torch.arange(len(groups.lengths), device=device), groups.device_lengths, output_size=sum(groups.lengths))
-
-
 def _column_amax(x: torch.Tensor, groups: RowGroups, rows: bool = False):
     """[G, K] each group's finite column amaxes, and with `rows` [R] each row's (one read of `x`)."""
     kernel = lookup("float8_groups.column_amax", x)
@@ -74,16 +69,13 @@ def _cast(x, scale, groups: RowGroups, fp8_dtype, rowwise: bool, col_out, col_st
         kernel(x, scale, groups.starts, groups.device_lengths, max(groups.padded, default=0), fp8_dtype, row_out, col_out,
                groups.bases, col_stride, row_scale)
         return row_out
-    of_rows = _of_rows(groups, x.device)
     one = torch.ones((), device=x.device)
-    codes = quantize_per_tensor(x.float() * scale[of_rows], one, fp8_dtype)
+    codes = quantize_per_tensor(x.float() * scale[groups.of_rows()], one, fp8_dtype)
     if rowwise:
         row_out.copy_(codes if row_scale is None else quantize_per_tensor(x.float() * row_scale[:, None], one, fp8_dtype))
     if col_out is not None:  # each group's rows from its base on; the padding stays zero
         flat = col_out.view(torch.uint8).view(-1)
-        rows = torch.arange(x.shape[0], device=x.device)
-        shift = (groups.bases - groups.starts)[of_rows]
-        index = (rows + shift)[None, :] + torch.arange(x.shape[1], device=x.device)[:, None] * col_stride
+        index = groups.positions()[None, :] + torch.arange(x.shape[1], device=x.device)[:, None] * col_stride
         flat[index.reshape(-1)] = codes.view(torch.uint8).t().reshape(-1)
     return row_out
 
@@ -113,7 +105,7 @@ def cast_rows(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, colu
     if tensor_scaled:  # both copies from one pass, at the group's scale
         codes = _cast(x, scale, groups, quantizer.fp8_dtype, rowwise, col_out, columns)
         scale_inv = exact_quotient(1.0, scale[:, 0])
-        row = GroupedOperand(codes, scale_inv[_of_rows(groups, x.device)], groups) if rowwise else None
+        row = GroupedOperand(codes, scale_inv[groups.of_rows()], groups) if rowwise else None
         col_scale_inv = scale_inv[:, None].expand(scale.shape).contiguous()
     else:  # a row's scale does not depend on its group; each group's columns have their own
         row_scale = _row_scales(quantizer, row_amax) if rowwise else None

@@ -116,11 +116,7 @@ class GroupedFloat8Function(torch.autograd.Function):
         ctx.save_for_backward(*(x_col[:2] if x_col else (None, None)), *(w_col[:2] if w_col else (None, None)))
         ctx.x_groups = x_col.groups if x_col else None  # the runs its columnwise copy was padded to
         ctx.groups, ctx.linear, ctx.needs_grad, ctx.in_out = groups, linear, needs_grad, in_out
-        # The weight gradient in bf16 where the forward multiplied in bf16 (autocast's bf16 GEMM over
-        # the stack's cast gives a bf16 gradient too; the grouped FP8 GEMM writes only bf16), then
-        # in the stack's dtype.
-        wgrad_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else stack.dtype
-        ctx.shapes = (x.shape, x.dtype, stack.dtype, wgrad_dtype)
+        ctx.shapes = (x.shape, x.dtype, stack.dtype, _wgrad_dtype(out_dtype, stack))
         return _rows_past_end_zero(y, x.shape[0])
 
     @staticmethod
@@ -183,7 +179,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
             saved.extend(tensors)
         ctx.save_for_backward(*saved)
         ctx.groups, ctx.linear, ctx.needs_grad, ctx.in_out = groups, linear, needs_grad, in_out
-        ctx.shapes = (x.shape, x.dtype, stack.dtype, weights.shape, torch.bfloat16 if out_dtype == torch.bfloat16 else stack.dtype)
+        ctx.shapes = (x.shape, x.dtype, stack.dtype, weights.shape, _wgrad_dtype(out_dtype, stack))
         return _rows_past_end_zero(y, x.shape[0])
 
     @staticmethod
@@ -223,14 +219,20 @@ def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     if groups.padded == groups.lengths:
         return rows
     out = rows.new_zeros((sum(groups.padded), rows.shape[1]))
-    of_rows = torch.repeat_interleave(torch.arange(len(groups.lengths), device=rows.device), groups.device_lengths, output_size=rows.shape[0])
-    out.index_copy_(0, torch.arange(rows.shape[0], device=rows.device) + (groups.bases - groups.starts)[of_rows], rows)
+    out.index_copy_(0, groups.positions(), rows)
     return out
 
 
 def _values(tensor: QuantizedTensor, direction: str) -> torch.Tensor:
     """One direction's values, [rows, cols]: bf16 on a GPU (exact for these formats), fp32 elsewhere."""
     return tensor.dequantize(torch.bfloat16 if tensor.storage_for(direction).device.type == "cuda" else torch.float32, direction)
+
+
+def _wgrad_dtype(out_dtype: torch.dtype, stack) -> torch.dtype:
+    """The dtype a grouped path multiplies the weight gradient in, before the stack's own: bf16 where
+    the forward multiplied in bf16 (autocast's bf16 grouped GEMM over the stack's cast gives a bf16
+    gradient too; torch's grouped GEMMs write only bf16), else the stack's."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 else stack.dtype
 
 
 def _tensor_scaled(*quantizers) -> bool:
