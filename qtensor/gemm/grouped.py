@@ -1,7 +1,8 @@
 """The three GEMMs of an expert stack's grouped linear (layers/grouped_linear.py): one product per
-group of rows, each on its expert's operands, over the dense GEMMs (`dense.py`) and so the backend
-each pair of operand forms picks. The groups run one after another; a backend that multiplies every
-group in one launch takes its place here.
+group of rows, each on its expert's operands. `fprop`, `dgrad` and `wgrad` run the groups one after
+another over the dense GEMMs (`dense.py`), and so the backend each pair of operand forms picks.
+`scaled_nt` multiplies FP8 grouped operands (`GroupedOperand`) and `values_nt` exact bf16 values,
+every group in one grouped GEMM where torch's takes them, else group by group.
 
     fprop  Y_g  = X_g · W_eᵀ       dgrad  dX_g = dY_g · W_e       wgrad  dW_e = dY_gᵀ · X_g
 """
@@ -33,7 +34,7 @@ def wgrad(out: torch.Tensor, groups, operands) -> None:
 
 # ---- FP8 codes with per-row factors (formats/float8_groups.py), every group in one launch ---------
 def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumulation: bool = False) -> torch.Tensor:
-    """The grouped product C = A · Bᵀ of two `GroupedFloat8` operands (reduction dimension last),
+    """The grouped product C = A · Bᵀ of two `GroupedOperand`s (reduction dimension last),
     each dequantized by its rows' factors, over the groups `a.lengths` gives:
 
         A [M, K], B [E, N, K]   C [M, N]      rows of group e times B_eᵀ           (fprop, dgrad)
@@ -83,29 +84,34 @@ def _scaled_groups(a, b, lengths, out_dtype, tensor_scaled: bool, fast_accumulat
     from .backends import _finish, _fp32_matmul
 
     grouped_rows = b.data.dim() == 3
-    if grouped_rows:
-        out = a.data.new_empty((a.data.shape[0], b.data.shape[1]), dtype=out_dtype)
-    else:
-        out = a.data.new_zeros((len(lengths), a.data.shape[0], b.data.shape[0]), dtype=out_dtype)
-    start = 0
-    for group, length in enumerate(lengths):
-        end = start + length
-        if length == 0:
-            start = end
-            continue
+
+    def product(group: int, start: int, end: int) -> torch.Tensor:
         if grouped_rows:  # this group's rows of A, expert `group` of B
             a_g, a_inv, b_g, b_inv = a.data[start:end], a.scale_inv[start:end], b.data[group], b.scale_inv[group]
         else:  # this group's columns of both: row-major slices, each row 16-byte aligned (runs of 16 columns)
             a_g, a_inv = a.data[:, start:end], a.scale_inv[group]
             b_g, b_inv = b.data[:, start:end], b.scale_inv[group]
-        target = out[start:end] if grouped_rows else out[group]
         if tensor_scaled and a_g.device.type == "cuda" and _pair_fits(a_g, b_g):
-            target.copy_(torch._scaled_mm(
+            return torch._scaled_mm(
                 a_g, b_g.t(), scale_a=a_inv[0], scale_b=b_inv[0], out_dtype=out_dtype, use_fast_accum=fast_accumulation
-            ))
-        else:
-            values = lambda codes, inv: codes.float() * inv[:, None]
-            target.copy_(_finish(_fp32_matmul(values(a_g, a_inv), values(b_g, b_inv).t()), None, out_dtype))
+            )
+        values = lambda codes, inv: codes.float() * inv[:, None]
+        return _finish(_fp32_matmul(values(a_g, a_inv), values(b_g, b_inv).t()), None, out_dtype)
+
+    shape = (a.data.shape[0], b.data.shape[1]) if grouped_rows else (len(lengths), a.data.shape[0], b.data.shape[0])
+    # Every row of C belongs to a group; a group's matrix with no rows (wgrad) stays zero.
+    out = a.data.new_empty(shape, dtype=out_dtype) if grouped_rows else a.data.new_zeros(shape, dtype=out_dtype)
+    return _each_group(out, lengths, grouped_rows, product)
+
+
+def _each_group(out: torch.Tensor, lengths, grouped_rows: bool, product) -> torch.Tensor:
+    """`out` with each non-empty group's `product(group, start, end)` written into its rows (the
+    groups run along C's rows) or its matrix (one per group)."""
+    start = 0
+    for group, length in enumerate(lengths):
+        end = start + length
+        if length:
+            (out[start:end] if grouped_rows else out[group]).copy_(product(group, start, end))
         start = end
     return out
 
@@ -128,12 +134,10 @@ def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tup
     from .backends import _finish, _fp32_matmul
 
     grouped_rows = b.dim() == 3
-    out = a.new_zeros((a.shape[0], b.shape[-1]) if grouped_rows else (len(lengths), a.shape[0], b.shape[1]), dtype=out_dtype)
-    start = 0
-    for group, length in enumerate(lengths):
-        end = start + length
-        if length:
-            a_g, b_g = (a[start:end], b[group]) if grouped_rows else (a[:, start:end], b[start:end])
-            (out[start:end] if grouped_rows else out[group]).copy_(_finish(_fp32_matmul(a_g.float(), b_g.float()), None, out_dtype))
-        start = end
-    return out
+
+    def product(group: int, start: int, end: int) -> torch.Tensor:
+        a_g, b_g = (a[start:end], b[group]) if grouped_rows else (a[:, start:end], b[start:end])
+        return _finish(_fp32_matmul(a_g.float(), b_g.float()), None, out_dtype)
+
+    shape = (a.shape[0], b.shape[-1]) if grouped_rows else (len(lengths), a.shape[0], b.shape[1])
+    return _each_group(a.new_zeros(shape, dtype=out_dtype), lengths, grouped_rows, product)
