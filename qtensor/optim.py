@@ -14,8 +14,10 @@ from .core.tensor import QuantizedTensor
 
 
 def is_quantized(param: torch.Tensor) -> bool:
-    """A QuantizedTensor, or a sharded (DTensor) parameter whose local shard is one."""
-    return isinstance(param, QuantizedTensor) or isinstance(getattr(param, "_local_tensor", None), QuantizedTensor)
+    """A QuantizedTensor or an expert stack held quantized, or a sharded (DTensor) parameter whose
+    local shard is one."""
+    local = getattr(param, "_local_tensor", param)
+    return isinstance(local, QuantizedTensor) or getattr(local, "quantized_at_use", True) is False
 
 
 def _master_of(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ from .recipes import Recipe
 from .core.tensor import QuantizedTensor
 from .distributed import tensor_parallel  # noqa: F401 (installs the hook that gives tensor-parallel layers their forward hooks)
 from .layers.weight import quantized_weight
+from .layers.quantized_stack import QuantizedStack, assembled_entry, expanded_entries, quantized_stack
 
 WEIGHT_MODES = ("dynamic", "quantized")
 
@@ -176,7 +177,6 @@ def quantize_(
                 report.skipped[site.layer] = "the factory keeps every tensor in high precision"
                 continue
             reason = _unsupported_reason(site, quantizers) or _tied_reason(site, owners)
-            reason = reason or (experts.unsupported_stack_reason(weights) if site.experts else None)
             if reason is not None:
                 cannot[site.layer] = reason
                 continue
@@ -212,7 +212,7 @@ def quantize_(
     report.skipped.update(harmless)
     for site, linear in plan:
         _install(site, linear, weights)
-        mode = "quantized" if isinstance(getattr(site.module, site.attribute), QuantizedTensor) else "dynamic"
+        mode = "dynamic" if getattr(site.module, site.attribute).quantized_at_use else "quantized"
         stack = f"a stack of {site.experts} experts, each " if site.experts else ""
         report.quantized[site.layer] = f"{stack}{linear.describe()}; weights={mode}"
     return report
@@ -363,7 +363,7 @@ def running_state(module: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for attribute, (stack_or_layer, _) in module._qtensor_layers.items():
         weight = getattr(module, attribute)
-        quantized = isinstance(getattr(weight, "_local_tensor", weight), QuantizedTensor)
+        quantized = not getattr(weight, "_local_tensor", weight).quantized_at_use  # a quantized weight or stack
         for layer_prefix, linear in experts.state_prefixes(_state_prefix(attribute), attribute, stack_or_layer):
             for role, quantizer in linear.roles().items():
                 if quantizer is None or (role == "weight" and quantized):
@@ -391,6 +391,8 @@ def _save_layer_state(module, state_dict, prefix, local_metadata) -> None:
     for attribute in module._qtensor_layers:
         if prefix + attribute in state_dict:
             state_dict[prefix + attribute] = _load_target(plain_weight(state_dict[prefix + attribute]))
+            if isinstance(state_dict[prefix + attribute], QuantizedStack):  # one entry per expert
+                expanded_entries(state_dict, prefix, attribute)
     if not module.__dict__.get("_qtensor_running_state_saved", True):
         return
     for suffix, buffer in running_state(module).items():
@@ -421,6 +423,8 @@ def _load_running_state(module, state_dict, prefix, local_metadata, strict, miss
             target.copy_(source)
     for attribute, (linear, _) in module._qtensor_layers.items():
         weight, key = getattr(module, attribute), prefix + attribute
+        if isinstance(weight, QuantizedStack):
+            assembled_entry(state_dict, prefix, attribute, weight)
         entry = state_dict.get(key)
         if not isinstance(weight, QuantizedTensor):
             continue
@@ -447,7 +451,9 @@ def _install_weight(module: nn.Module, attribute: str, linear: LinearQuantizers,
     requires_grad = weight.requires_grad
     # An optimizer built before this call would hold this object, which no longer trains anything.
     weight._qtensor_replaced = linear.parameter_name
-    if weights == "quantized" and linear.weight is not None:
+    if weights == "quantized" and linear.weight is not None and weight.dim() == 3:  # an expert stack
+        setattr(module, attribute, nn.Parameter(quantized_stack(weight, linear), requires_grad=requires_grad))
+    elif weights == "quantized" and linear.weight is not None:
         # Both directions: fprop reads the rowwise copy, dgrad the columnwise one; a Conv1D's
         # [in, out] weight is quantized as the [out, in] matrix the GEMMs read.
         matrix = weight.detach().t().contiguous() if linear.transposed else weight.detach()
@@ -487,7 +493,9 @@ def dequantize_(model: nn.Module) -> None:
             continue
         for attribute, (linear, _) in layers.items():
             weight = getattr(module, attribute)
-            if isinstance(weight, QuantizedTensor):
+            if isinstance(weight, QuantizedStack):
+                plain = weight.dequantize()  # the values as its module keeps them
+            elif isinstance(weight, QuantizedTensor):
                 plain = weight.dequantize()
                 plain = plain.t().contiguous() if linear.transposed else plain
             else:

@@ -66,10 +66,15 @@ class Stack(nn.Module):
         return (values[expert].t() if self.is_transposed else values[expert]).numpy()
 
 
-def quantized_stack(case, transposed=False):
+# Both weight modes: a dynamic stack (its values cast at each use) and one held quantized (each
+# expert cast once, at quantize_); every group and expert gets the same codes and scales either way.
+WEIGHTS = ["dynamic", "quantized"]
+
+
+def quantized_stack(case, transposed=False, weights="dynamic"):
     module = Stack(transposed)
     original = [module.matrix(e) for e in range(E)]
-    report = qtensor.quantize_(module, factory_for(case))
+    report = qtensor.quantize_(module, factory_for(case), weights=weights)
     assert list(report.quantized) == ["weight_stack"] and "a stack of 4 experts" in report.quantized["weight_stack"]
     return module, original
 
@@ -104,10 +109,11 @@ def transformers_fallback():
     return torch.ops.transformers.grouped_mm_fallback
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("call", list(GROUPED_CALLS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_grouped_gemm_runs_each_group_through_its_experts_quantized_linear(case, call):
-    module, w = quantized_stack(case, transposed=call == "stored [E, K, N]")
+def test_a_grouped_gemm_runs_each_group_through_its_experts_quantized_linear(case, call, weights):
+    module, w = quantized_stack(case, transposed=call == "stored [E, K, N]", weights=weights)
     x, grad = varied(ROWS, K, seed=2), varied(ROWS, N, seed=3)
     y, x_grad, w_grad = run_grouped(module, x, grad, GROUPED_CALLS[call])
     assert y.shape == (ROWS, N)
@@ -122,13 +128,14 @@ def test_a_grouped_gemm_runs_each_group_through_its_experts_quantized_linear(cas
     assert torch.equal(y[ENDS[-1]:], torch.zeros(ROWS - ENDS[-1], N)) and torch.equal(x_grad[ENDS[-1]:], torch.zeros(ROWS - ENDS[-1], K))
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_batched_gemm_over_gathered_experts_runs_each_experts_rows_through_its_linear(case, transposed):
+def test_a_batched_gemm_over_gathered_experts_runs_each_experts_rows_through_its_linear(case, transposed, weights):
     """transformers' batched_mm: `torch.bmm(w[ids], x[..., None])` (or `bmm(x[:, None], w[ids])` for a
     stack kept [E, K, N]). Each expert's rows, in the order they come, are one group; the gathered
     [rows, N, K] weights are never made."""
-    module, w = quantized_stack(case, transposed)
+    module, w = quantized_stack(case, transposed, weights)
     # 32 rows of expert 2, 16 of experts 0 and 3, none of expert 1, interleaved.
     ids = torch.tensor([2, 0, 2, 3] * 16)
     x, grad = varied(len(ids), K, seed=4), varied(len(ids), N, seed=5)
@@ -147,10 +154,11 @@ def test_a_batched_gemm_over_gathered_experts_runs_each_experts_rows_through_its
         check_group(case, y[rows], x[rows].numpy(), w[expert], grad[rows].numpy(), xr.grad[rows], w_grad[expert])
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_one_expert_of_a_stack_is_a_quantized_linear_of_its_own(case):
+def test_one_expert_of_a_stack_is_a_quantized_linear_of_its_own(case, weights):
     """transformers' eager experts: `F.linear(x, w[e])` per expert hit."""
-    module, w = quantized_stack(case)
+    module, w = quantized_stack(case, weights=weights)
     x, grad = varied(33, K, seed=6), varied(33, N, seed=7)
     xr = x.clone().requires_grad_(True)
     y = F.linear(xr, module.weight_stack[1])
@@ -202,10 +210,11 @@ MANY_ENDS = {  # ten experts (more than grouped_linear.FEW_EXPERTS), three rows 
 }
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("ends", list(MANY_ENDS))
 @pytest.mark.parametrize("transposed", [False, True], ids=["stack [E, out, in]", "stack [E, in, out]"])
-@pytest.mark.parametrize("case", ["mxfp8", "float8"])
-def test_many_experts_cast_every_group_at_once_and_match_the_oracle(case, transposed, ends):
+@pytest.mark.parametrize("case", ["mxfp8", "float8", "float8_rowwise"])
+def test_many_experts_cast_every_group_at_once_and_match_the_oracle(case, transposed, ends, weights):
     """Over more than a few experts (groups of 37 and 27 rows, empty ones, rows past the last end):
     MXFP8 with experts of whole 32-row blocks casts the routed rows as one tensor and their
     columnwise copy with each group run on to whole blocks of zero rows (none where every group is
@@ -219,7 +228,7 @@ def test_many_experts_cast_every_group_at_once_and_match_the_oracle(case, transp
     values = varied(experts, n, k, seed=1)
     module.weight_stack = nn.Parameter(values.transpose(1, 2).contiguous() if transposed else values)
     module.is_transposed = transposed
-    qtensor.quantize_(module, factory_for(case))
+    qtensor.quantize_(module, factory_for(case), weights=weights)
     x, grad = varied(rows, k, seed=2), varied(rows, n, seed=3)
     offs = torch.tensor(ends, dtype=torch.int32)
     stack = module.weight_stack if transposed else module.weight_stack.transpose(-2, -1)
@@ -227,7 +236,7 @@ def test_many_experts_cast_every_group_at_once_and_match_the_oracle(case, transp
             mock.patch.object(float8_groups, "cast_rows", wraps=float8_groups.cast_rows) as cast_rows:
         y, x_grad, w_grad = run_grouped(module, x, grad, lambda m, x: F.grouped_mm(x, stack, offs=offs))
     assert padded.call_count == (2 if padding else 0)  # the input's and the gradient's columnwise copies, each in one go
-    assert cast_rows.call_count == (2 if case == "float8" else 0)  # the input's casts, and the gradient's
+    assert cast_rows.call_count == (0 if case == "mxfp8" else 2)  # the input's casts, and the gradient's
     w_grad = w_grad.transpose(1, 2) if transposed else w_grad
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:
@@ -329,16 +338,6 @@ def test_the_report_strict_exclude_and_a_role_for_experts_see_the_stacks():
     report = qtensor.quantize_(copy.deepcopy(model), lambda role: linear_only(role) if role.module_type == "linear" else None)
     assert all(report.skipped[name] == "the factory keeps every tensor in high precision" for name in stacks)
     assert "model.layers.0.self_attn.q_proj" in report.quantized
-
-
-def test_what_stacks_do_not_take_yet_is_reported_and_strict_refuses_it():
-    module = Stack()
-    report = qtensor.quantize_(copy.deepcopy(module), qtensor.recipes.mxfp8(), weights="quantized")
-    assert list(report.skipped) == ["weight_stack"]
-    assert report.skipped["weight_stack"].startswith("weights='quantized' does not take expert stacks yet")
-    with pytest.raises(ValueError, match="weights='quantized' does not take expert stacks yet"):
-        qtensor.quantize_(module, qtensor.recipes.mxfp8(), weights="quantized", strict=True)
-    assert type(module.weight_stack) is nn.Parameter
 
 
 DELAYED_CALLS = {

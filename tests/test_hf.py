@@ -203,6 +203,12 @@ def test_save_pretrained_and_from_pretrained_restore_the_quantized_model(checkpo
         with pytest.raises(NotImplementedError, match="save_pretrained of expert stacks with delayed scaling"):
             model.save_pretrained(tmp_path)
         return
+    if name == "mixtral" and weights == "quantized":
+        # transformers renames Mixtral's keys as it saves them (tests/test_quantized_stacks.py saves Qwen3-MoE's and
+        # gpt-oss's stacks held quantized); save_model keeps them.
+        with pytest.raises(NotImplementedError, match="renames its experts' keys|expert stacks with delayed scaling"):
+            model.save_pretrained(tmp_path)
+        return
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files

@@ -416,19 +416,25 @@ def fallback_report(reset: bool = False) -> dict[tuple[str, str], int]:
     return report
 
 
-def dequantized_fallback(func, args, kwargs):
-    """Run `func` on dequantized values; requantize into any quantized tensor the op writes to."""
+def note_fallback(func, classes: str) -> None:
+    """An op about to run on the dequantized values of tensors of `classes`: raised or counted as
+    `fallbacks` says."""
     mode = _fallback_mode.get()
-    if mode != "allow":
-        classes = "/".join(sorted({type(a).__name__ for a in tree_flatten((args, kwargs))[0] if isinstance(a, QuantizedTensor)}))
-        if mode == "raise":
-            raise RuntimeError(
-                f"{func} has no quantized implementation for {classes}: it would run on the dequantized "
-                "values (qtensor.fallbacks('raise') is on). If that is what you want, run it outside the "
-                "context, or on q.dequantize() explicitly."
-            )
+    if mode == "raise":
+        raise RuntimeError(
+            f"{func} has no quantized implementation for {classes}: it would run on the dequantized "
+            "values (qtensor.fallbacks('raise') is on). If that is what you want, run it outside the "
+            "context, or on q.dequantize() explicitly."
+        )
+    if mode == "count":
         with _fallback_counts_lock:
             _fallback_counts[(str(func), classes)] += 1
+
+
+def dequantized_fallback(func, args, kwargs):
+    """Run `func` on dequantized values; requantize into any quantized tensor the op writes to."""
+    if _fallback_mode.get() != "allow":
+        note_fallback(func, "/".join(sorted({type(a).__name__ for a in tree_flatten((args, kwargs))[0] if isinstance(a, QuantizedTensor)})))
 
     def unwrap(value):
         return value.dequantize() if isinstance(value, QuantizedTensor) else value

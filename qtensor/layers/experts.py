@@ -67,9 +67,9 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
             f"{stack.linear_quantizers.name or 'An expert stack'}: grouped GEMM offsets {ends} must be {stack.shape[0]} "
             f"non-decreasing group ends within the input's {x.shape[0]} rows."
         )
-    # A dynamic stack (its values quantized at use) without running state to note: one Function.
+    # A stack without running state to note: one Function.
     in_out = reads_in_out(stack)
-    if stack.quantized_at_use and not stack.linear_quantizers.records_amaxes:
+    if not stack.linear_quantizers.records_amaxes:
         return grouped.grouped_linear(x, stack, ends, in_out, offs)  # the whole stack in one autograd Function
     pieces, start = [], 0
     for expert, end in enumerate(ends):
@@ -122,13 +122,6 @@ def is_router(module) -> bool:
     the experts, which every low-precision recipe keeps in high precision (a rounding there changes
     which experts a token goes to)."""
     return type(module).__name__.endswith(("Router", "TopKRouter"))
-
-
-def unsupported_stack_reason(weights: str) -> str | None:
-    """Why a stack cannot be quantized in this weight mode yet, or None."""
-    if weights == "quantized":
-        return "weights='quantized' does not take expert stacks yet: quantize_(..., weights='dynamic') quantizes them"
-    return None
 
 
 def with_expert_configs(linear, count: int, quantizers_for):

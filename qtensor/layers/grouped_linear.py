@@ -35,14 +35,20 @@ class GroupedLinearFunction(torch.autograd.Function):
         input_needs_grad, weight_needs_grad = needs_grad
         override = linear.backward_override
         quantized_backward = override is None
-        values = stack.plain()  # [experts, out, in], or [experts, in, out] where `in_out`
+        # [experts, out, in], or [experts, in, out] where `in_out`; None for a stack held quantized
+        values = stack.plain() if stack.quantized_at_use else None
         out_features = stack.shape[-1] if in_out else stack.shape[-2]
         out = x.new_zeros((x.shape[0], out_features), dtype=_output_dtype(x, stack))
         operands, saved, rebuilds = [], [], []
         for expert, start, end in groups:
-            x_g, w_e = x[start:end], values[expert].t() if in_out else values[expert]
+            x_g = x[start:end]
             x_q = _quantize(linear.input, x_g, rowwise=True, columnwise=weight_needs_grad and quantized_backward)
-            w_q = _quantize(linear.weight, w_e, rowwise=True, columnwise=input_needs_grad and quantized_backward)
+            if values is not None:
+                w_e = values[expert].t() if in_out else values[expert]
+                w_q = _quantize(linear.weight, w_e, rowwise=True, columnwise=input_needs_grad and quantized_backward)
+            else:  # expert e's cast, both directions, [out, in]
+                w_q = stack.experts[expert]
+                w_e = w_q.dequantize() if override == "high_precision" else None
             operands.append((x_q, w_q))
             if override is None:
                 keep = ((x_q, "columnwise"), (w_q, "columnwise"))
@@ -104,10 +110,13 @@ class GroupedFloat8Function(torch.autograd.Function):
     def forward(ctx, x, stack, groups: RowGroups, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
         input_needs_grad, weight_needs_grad = needs_grad
         total = sum(groups.lengths)
-        values = stack.plain()
-        weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
         x_row, x_col = linear.input.quantize_groups(x[:total], groups, True, weight_needs_grad)
-        w_row, w_col = linear.weight.quantize_stack(weights, True, input_needs_grad)
+        if stack.quantized_at_use:
+            values = stack.plain()
+            weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
+            w_row, w_col = linear.weight.quantize_stack(weights, True, input_needs_grad)
+        else:  # the experts' casts in place
+            w_row, w_col = stack.stacked_operands(True, input_needs_grad)
         out_dtype = _output_dtype(x, stack)
         y = gemm.grouped.scaled_nt(
             x_row, w_row, out_dtype, tensor_scaled=_tensor_scaled(linear.input, linear.weight),
@@ -157,29 +166,34 @@ class PaddedGroupsFunction(torch.autograd.Function):
     def forward(ctx, x, stack, groups: RowGroups, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
         input_needs_grad, weight_needs_grad = needs_grad
         rows = x[: sum(groups.lengths)]
-        values = stack.plain()
-        weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
-        experts, n, k = weights.shape
+        experts, n, k = stack.shape[0], stack.shape[-1] if in_out else stack.shape[-2], stack.shape[-2] if in_out else stack.shape[-1]
         aligned = _aligned(groups, linear)
         if weight_needs_grad and aligned.padded == aligned.lengths:  # whole blocks already: both copies from one cast
             x_q = x_col = _quantize(linear.input, rows, rowwise=True, columnwise=True)
         else:
             x_q = _quantize(linear.input, rows, rowwise=True, columnwise=False)
             x_col = _quantize(linear.input, _padded(rows, aligned), rowwise=False, columnwise=True) if weight_needs_grad else None
-        w_q = _quantize(linear.weight, weights.reshape(experts * n, k), rowwise=True, columnwise=input_needs_grad)
+        if stack.quantized_at_use:
+            values = stack.plain()
+            weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
+            w_q = _quantize(linear.weight, weights.reshape(experts * n, k), rowwise=True, columnwise=input_needs_grad)
+        else:  # the experts' casts, both directions
+            w_q = _ExpertCasts(stack.experts)
         out_dtype = _output_dtype(x, stack)
         y = gemm.grouped.values_nt(
             _values(x_q, "rowwise"), _values(w_q, "rowwise").view(experts, n, k).transpose(-2, -1), groups.offsets(False), groups.lengths,
             out_dtype,
         )
         saved, ctx.rebuilds = [], []
-        for tensor, needed in ((x_col, weight_needs_grad), (w_q, input_needs_grad)):
+        # A stack held quantized keeps its own bytes: nothing to save for it.
+        ctx.expert_casts = w_q if isinstance(w_q, _ExpertCasts) and input_needs_grad else None
+        for tensor, needed in ((x_col, weight_needs_grad), (w_q, input_needs_grad and ctx.expert_casts is None)):
             tensors, rebuild = _pack_saved(tensor, "columnwise") if needed else ([None], None)
             ctx.rebuilds.append((len(tensors), rebuild))
             saved.extend(tensors)
         ctx.save_for_backward(*saved)
         ctx.groups, ctx.linear, ctx.needs_grad, ctx.in_out = groups, linear, needs_grad, in_out
-        ctx.shapes = (x.shape, x.dtype, stack.dtype, weights.shape, _wgrad_dtype(out_dtype, stack))
+        ctx.shapes = (x.shape, x.dtype, stack.dtype, (experts, n, k), _wgrad_dtype(out_dtype, stack))
         return _rows_past_end_zero(y, x.shape[0])
 
     @staticmethod
@@ -189,7 +203,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
         x_shape, x_dtype, stack_dtype, (experts, n, k), wgrad_dtype = ctx.shapes
         (x_count, x_rebuild), (w_count, w_rebuild) = ctx.rebuilds
         saved = ctx.saved_tensors
-        x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), _unpack_saved(saved[x_count:], w_rebuild)
+        x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), ctx.expert_casts or _unpack_saved(saved[x_count:], w_rebuild)
         grad = grad_out[: sum(groups.lengths)]
         grad_x = grad_stack = None
         padded = _aligned(groups, linear)
@@ -223,9 +237,19 @@ def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     return out
 
 
-def _values(tensor: QuantizedTensor, direction: str) -> torch.Tensor:
+def _values(tensor, direction: str) -> torch.Tensor:
     """One direction's values, [rows, cols]: bf16 on a GPU (exact for these formats), fp32 elsewhere."""
+    if isinstance(tensor, _ExpertCasts):
+        return torch.cat([_values(expert, direction) for expert in tensor.experts])
     return tensor.dequantize(torch.bfloat16 if tensor.storage_for(direction).device.type == "cuda" else torch.float32, direction)
+
+
+class _ExpertCasts:
+    """A stack held quantized, as `PaddedGroupsFunction` reads its weight: the experts' casts, whose
+    values are taken expert by expert (saved for the backward as they are: the stack's own bytes)."""
+
+    def __init__(self, experts):
+        self.experts = experts
 
 
 def _wgrad_dtype(out_dtype: torch.dtype, stack) -> torch.dtype:

@@ -1,0 +1,367 @@
+"""QuantizedStack: an expert stack held in low precision (`quantize_(..., weights="quantized")`).
+
+A stack `[experts, out, in]` (or `[experts, in, out]`, kept so by its module: experts.py) is E
+matrices, each the quantized weight of its expert's linear, cast on its own with its expert's
+weight quantizer in both directions, as a dense layer's quantized weight is (weight.py). The stack
+holds no high-precision values: its bytes are the E casts'.
+
+Every buffer of the E casts is one tensor `[experts, ...]` (`stacked`), and each expert's quantized
+weight is a view of its row of each: a grouped GEMM reads all experts' codes and scales in place
+(`GroupedOperand`s of the Float8 formats, `stacked_operands`), a loader or `copy_` writes each
+expert's bytes through its views, and the stack's dim-0 pieces are the experts' own casts.
+
+A model multiplies the stack as it would a dynamic one (experts.py, routing.py): `stack[e]` is
+expert e's quantized weight, a grouped or batched GEMM runs each group through its expert. The
+optimizer trains it through `qtensor.optim.MasterWeights`, whose step writes the masters back with
+`copy_` (each expert cast again). Its `state_dict` entries are the experts' quantized weights,
+`<stack>.<e>` each (`expanded_entries`), so files store and check each expert's format as a dense
+quantized weight's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..core import ops as core_ops, tensor as core_tensor
+from ..core.quantizer import GroupedOperand
+from ..core.tensor import QuantizedTensor
+from .config import LinearQuantizers
+from .experts import reads_in_out
+from .weight import LayerWeight, quantized_weight
+
+aten = torch.ops.aten
+
+
+class QuantizedStack(LayerWeight, torch.Tensor):
+    """E quantized expert matrices as one `[experts, ...]` layer weight (see the module docstring)."""
+
+    quantized_at_use = False
+    experts: tuple  # each expert's quantized weight, [out, in]
+    stacked: dict  # (direction, buffer name) -> [experts, ...]: every expert's buffer, expert e's a view of row e
+
+    @staticmethod
+    def __new__(cls, experts, stacked: dict, linear: LinearQuantizers, *, shape=None, stride=None, requires_grad=False):
+        first = experts[0]
+        out_features, in_features = first.shape
+        if shape is None:
+            shape = (len(experts), in_features, out_features) if linear.transposed else (len(experts), out_features, in_features)
+            stride = (shape[1] * shape[2], shape[2], 1)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, dtype=first.dtype, device=first.device, requires_grad=requires_grad
+        )
+        self.experts, self.stacked, self.linear_quantizers = tuple(experts), stacked, linear
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @property
+    def stored_transposed(self) -> bool:
+        return self.linear_quantizers.transposed
+
+    def _data_attribute(self, name):
+        key = tuple(name.split("__", 1))
+        if key in self.__dict__.get("stacked", {}):  # an inner tensor (__tensor_flatten__)
+            return self.stacked[key]
+        return super()._data_attribute(name)
+
+    def expert_config(self, expert: int) -> LinearQuantizers:
+        linear = self.linear_quantizers
+        return linear.experts[expert] if linear.experts else linear
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The stack's values as a plain tensor of its shape (each expert's rowwise copy dequantized)."""
+        values = torch.stack([expert.dequantize(dtype or self.dtype) for expert in self.experts])  # [E, out, in]
+        return values if self.stride(-1) == 1 and not self.stored_transposed else values.transpose(-2, -1).contiguous()
+
+    def high_precision_matrix(self) -> torch.Tensor:
+        return self.dequantize()
+
+    def storage_nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.stacked.values())
+
+    def stacked_operands(self, rowwise: bool, columnwise: bool):
+        """(rowwise, columnwise) `GroupedOperand`s over the experts' bytes in place, as
+        `Quantizer.quantize_stack` gives them (a Float8 weight quantizer with grouped casts)."""
+        return tuple(self._operand(direction) if wanted else None for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)))
+
+    def _operand(self, direction: str) -> GroupedOperand:
+        data, scale_inv = self.stacked[(direction, "data")], self.stacked[(direction, "scale_inv")]
+        experts, rows = data.shape[0], data.shape[1]
+        # A tensor scale per expert ([E]) or one per row of each ([E, rows, 1]), as one factor per row.
+        return GroupedOperand(data, scale_inv.reshape(experts, -1).expand(experts, rows).contiguous())
+
+    def requantize(self, values: torch.Tensor) -> None:
+        """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own."""
+        values = values.to(device=self.device)
+        matrices = values.transpose(-2, -1) if self.stored_transposed else values  # [E, out, in]
+        for expert, matrix in zip(self.experts, matrices):
+            expert.copy_(matrix)
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"QuantizedStack({len(self.experts)} experts of {self.experts[0]!r}, shape={list(self.shape)})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _OPS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        return _on_values(func, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        stacked, linear = copy.deepcopy((self.stacked, self.linear_quantizers), memo)
+        duplicate = _over_stacked(stacked, self.experts[0], linear, shape=self.shape, stride=self.stride())
+        duplicate.requires_grad_(self.requires_grad)
+        duplicate.__dict__.update({k: v for k, v in self.__dict__.items() if k == "_is_param"})
+        return duplicate
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_stack, (self.stacked, _template(self), self.linear_quantizers, self.requires_grad)
+
+    # torch's traceable-subclass protocol (nn.Module._apply's swap): the stacked buffers are the inner tensors.
+    def __tensor_flatten__(self):
+        names = [f"{direction}__{name}" for direction, name in self.stacked]
+        return names, (_template(self), self.linear_quantizers)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
+        template, linear = context
+        stacked = {tuple(key.split("__", 1)): tensor for key, tensor in inner_tensors.items()}
+        return _over_stacked(stacked, template, linear, shape=outer_size, stride=outer_stride)
+
+
+def quantized_stack(values: torch.Tensor, linear: LinearQuantizers) -> QuantizedStack:
+    """The stack `values` (as its module keeps it) held quantized: each expert's [out, in] matrix cast
+    in both directions by its expert's weight quantizer."""
+    matrices = values.detach().transpose(-2, -1) if linear.transposed else values.detach()
+    configs = linear.experts or (linear,) * matrices.shape[0]
+    casts = [config.weight.quantize(matrix, rowwise=True, columnwise=True) for config, matrix in zip(configs, matrices)]
+    return _over_stacked(_stacked(casts), casts[0], linear)
+
+
+def _stacked(casts) -> dict:
+    """(direction, buffer name) -> the experts' buffers stacked along a new dim 0 (a buffer both
+    directions of a cast share, stacked once)."""
+    stacked = {}
+    for direction in ("rowwise", "columnwise"):
+        for name in getattr(casts[0], direction).buffers:
+            shared = [key for key in stacked if _buffer(casts[0], *key) is _buffer(casts[0], direction, name)]
+            stacked[(direction, name)] = stacked[shared[0]] if shared else torch.stack([_buffer(c, direction, name) for c in casts])
+    return stacked
+
+
+def _buffer(tensor: QuantizedTensor, direction: str, name: str) -> torch.Tensor:
+    return getattr(tensor, direction).buffers[name]
+
+
+def _template(stack: QuantizedStack) -> QuantizedTensor:
+    """An expert whose storages' kinds, options, shape and dtype every expert of the stack shares."""
+    return stack.experts[0]
+
+
+def _over_stacked(stacked: dict, template: QuantizedTensor, linear: LinearQuantizers, *, shape=None, stride=None, dtype=None) -> QuantizedStack:
+    """A stack whose experts are views of row e of every stacked buffer (a buffer both directions share
+    stays one object per expert), each of `template`'s kind and nominal dtype (or `dtype`)."""
+    count = next(iter(stacked.values())).shape[0]
+    experts = []
+    for expert in range(count):
+        views = {}
+        storages = {}
+        for direction in ("rowwise", "columnwise"):
+            storage = getattr(template, direction)
+            buffers = {}
+            for name in storage.buffers:
+                tensor = stacked[(direction, name)]
+                buffers[name] = views.setdefault(id(tensor), tensor[expert])
+            storages[direction] = storage.rebuilt(buffers)
+        config = linear.experts[expert] if linear.experts else linear
+        cast = type(template).data_class(template.shape, dtype or template.dtype, storages["rowwise"], storages["columnwise"], config.weight)
+        experts.append(quantized_weight(cast, config))
+    return QuantizedStack(experts, stacked, linear, shape=shape, stride=stride)
+
+
+def _rebuild_stack(stacked: dict, template, linear, requires_grad: bool):
+    stack = _over_stacked(stacked, template, linear)
+    return torch.nn.Parameter(stack, requires_grad=requires_grad) if requires_grad else stack
+
+
+# ---- ops --------------------------------------------------------------------------------------------
+def _alias(func, args, kwargs):
+    stack = args[0]
+    return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
+
+
+def _transpose(func, args, kwargs):
+    """`stack.transpose(-2, -1)`: a view with the matrices the other way round (which a grouped GEMM reads)."""
+    stack, a, b = args[0], args[1] % 3, args[2] % 3
+    if {a, b} != {1, 2}:
+        return _on_values(func, args, kwargs)
+    e, r, c = stack.shape
+    s0, s1, s2 = stack.stride()
+    return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=(e, c, r), stride=(s0, s2, s1))
+
+
+def _select(func, args, kwargs):
+    """`stack[e]`: expert e's quantized weight (its [out, in] matrix; a stack kept [in, out] hands the
+    same weight, which its module multiplies as `x @ w[e]`, routed as its linear)."""
+    stack, dim, index = args[0], args[1], args[2]
+    if dim % 3 != 0:
+        return _on_values(func, args, kwargs)
+    expert = stack.experts[index]
+    if reads_in_out(stack):  # the stack read as [in, out]: its expert so too
+        return StackExpert(expert)
+    return expert.with_storages(expert.rowwise, expert.columnwise)  # a new tensor over its bytes (autograd makes it a view)
+
+
+class StackExpert(LayerWeight, torch.Tensor):
+    """`stack[e]` of a stack held quantized and read as `[experts, in, out]` (a module that multiplies
+    `x @ w[e]`, gpt-oss's): expert e's quantized weight as its `[in, out]` matrix. The matmul runs the
+    expert's quantized linear (routing.py) and its weight gradient comes out `[in, out]`; any other op
+    sees the dequantized values."""
+
+    quantized_at_use = False
+    stored_transposed = True
+
+    @staticmethod
+    def __new__(cls, expert):
+        out_features, in_features = expert.shape
+        self = torch.Tensor._make_wrapper_subclass(cls, (in_features, out_features), dtype=expert.dtype, device=expert.device)
+        self.expert, self.linear_quantizers = expert, expert.linear_quantizers
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def linear_operand(self, *, columnwise: bool, training: bool):
+        return self.expert.linear_operand(columnwise=columnwise, training=training)
+
+    def high_precision_matrix(self) -> torch.Tensor:
+        return self.expert.dequantize()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.expert.dequantize(dtype).t()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (aten.detach.default, aten.alias.default):
+            return StackExpert(args[0].expert)
+        return _on_values(func, args, kwargs or {})
+
+
+def _to_copy(func, args, kwargs):
+    stack = args[0]
+    if kwargs.get("dtype") is not None and not kwargs["dtype"].is_floating_point:
+        return _on_values(func, args, kwargs)
+    stacked = {}
+    for key, tensor in stack.stacked.items():  # the bytes move; a buffer both directions share stays shared
+        moved = next((stacked[k] for k in stacked if stack.stacked[k] is tensor), None)
+        stacked[key] = moved if moved is not None else tensor.to(device=kwargs.get("device", tensor.device), copy=True)
+    return _over_stacked(stacked, _template(stack), stack.linear_quantizers, shape=stack.shape, stride=stack.stride(), dtype=kwargs.get("dtype"))
+
+
+def _clone(func, args, kwargs):
+    return _to_copy(func, (args[0],), {"device": args[0].device})
+
+
+def _copy(func, args, kwargs):
+    """`stack.copy_(src)`: another stack's bytes where every expert's format and layout match, else
+    `src`'s values (a plain tensor of the stack's shape, as a master weight or a plain checkpoint
+    gives them) cast into each expert."""
+    stack, src = args[0], args[1]
+    if not isinstance(stack, QuantizedStack):  # a plain tensor receiving a stack's values
+        return stack.copy_(src.dequantize())
+    if isinstance(src, QuantizedStack):
+        if src.shape != stack.shape:
+            raise ValueError(f"{stack.linear_quantizers.parameter_name}: cannot copy a stack of shape {list(src.shape)} into {list(stack.shape)}.")
+        for mine, theirs in zip(stack.experts, src.experts):
+            mine.copy_(theirs)
+        return stack
+    if src.shape != stack.shape:
+        raise ValueError(f"{stack.linear_quantizers.parameter_name}: cannot copy values of shape {list(src.shape)} into the stack {list(stack.shape)}.")
+    stack.requantize(src)
+    return stack
+
+
+def _refuse_piece(func, args, kwargs):
+    """A piece of the stack other than one expert (FSDP2's chunks, a slice, a view): refused, since
+    its dequantized values would go on as a high-precision weight."""
+    raise NotImplementedError(
+        f"{args[0].linear_quantizers.parameter_name}: {func} of an expert stack held quantized is not built: its pieces "
+        "would be high-precision values. FSDP2 and tensor parallelism shard a stack held dynamic: quantize the model "
+        "with weights='dynamic'; stack[e] is expert e's quantized weight."
+    )
+
+
+def _on_values(func, args, kwargs):
+    """Any other op: on the dequantized values, under `qtensor.fallbacks`' rule; an op that would write
+    into the stack is refused."""
+    for position, argument in enumerate(func._schema.arguments):
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if written and position < len(args) and isinstance(args[position], (QuantizedStack, StackExpert)):
+            raise NotImplementedError(
+                f"{args[position].linear_quantizers.parameter_name}: {func} would write into an expert stack held quantized; "
+                "write its values with copy_ (each expert is cast again), or train it through qtensor.optim.MasterWeights."
+            )
+    core_tensor.note_fallback(func, type(args[0]).__name__ if args else "QuantizedStack")
+    unwrap = lambda value: value.dequantize() if isinstance(value, (QuantizedStack, StackExpert)) else value
+    return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+
+
+_OPS = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.transpose.int: _transpose,
+    aten.select.int: _select,
+    aten._to_copy.default: _to_copy,
+    aten.clone.default: _clone,
+    aten.copy_.default: _copy,
+    **dict.fromkeys(
+        (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor, aten.narrow.default,
+         aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.new_zeros.default,
+         aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default),
+        _refuse_piece,
+    ),
+}
+
+
+# ---- state_dict: one entry per expert ------------------------------------------------------------
+def expert_keys(prefix: str, attribute: str, count: int) -> list[str]:
+    """The state_dict keys of a stack's experts: `expert_weights.<attribute>.<e>` in its module (not
+    under `<attribute>.`, whose keys transformers converts as the stack's own when it saves)."""
+    return [f"{prefix}expert_weights.{attribute}.{expert}" for expert in range(count)]
+
+
+def expanded_entries(state_dict: dict, prefix: str, attribute: str) -> None:
+    """Replace a stack's entry by its experts' quantized weights (`expert_keys`), in place and in order."""
+    key = prefix + attribute
+    stack = state_dict[key]
+    items = list(state_dict.items())
+    state_dict.clear()
+    for name, value in items:
+        if name != key:
+            state_dict[name] = value
+            continue
+        state_dict.update(zip(expert_keys(prefix, attribute, len(stack.experts)), stack.experts))
+
+
+def assembled_entry(state_dict: dict, prefix: str, attribute: str, stack: QuantizedStack) -> None:
+    """Before a load: the experts' entries of a stack (as `expanded_entries` wrote them) taken out and
+    put back as one entry for the stack, which its `copy_` restores byte for byte. A plain entry for
+    the stack (a dynamic model's, a plain checkpoint's) stays: `copy_` casts it."""
+    names = expert_keys(prefix, attribute, len(stack.experts))
+    if prefix + attribute in state_dict or not all(name in state_dict for name in names):
+        return
+    experts = [state_dict.pop(name) for name in names]
+    for name, mine, theirs in zip(names, stack.experts, experts):
+        if not isinstance(theirs, QuantizedTensor) or not core_ops.byte_compatible(mine, theirs):
+            got = f"{type(theirs).__name__} {list(theirs.shape)}" + (f" from {theirs.quantizer!r}" if isinstance(theirs, QuantizedTensor) else "")
+            raise ValueError(
+                f"{name}: the model's expert holds {type(mine).data_class.__name__} {list(mine.shape)} from "
+                f"{mine.quantizer!r}, the entry {got}. Quantize the model with the recipe it was saved with."
+            )
+        # An expert's saved quantizer state (delayed scaling's history) travels inside its entry.
+        mine.quantizer.load_state_buffers(theirs.quantizer.state_buffers(), f"{name}.quantizer.")
+    state_dict[prefix + attribute] = _over_stacked(_stacked(experts), experts[0], stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
