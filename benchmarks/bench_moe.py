@@ -11,8 +11,9 @@ casts, as autocast gives a linear). Shapes:
 - qwen3: 131,072 routed rows, 128 experts, hidden 2048, expert width 768 (top-8 of 16,384 tokens);
 
 groups balanced (equal sizes, multiples of 16). "torchao rowwise" (where importable) runs torchao's
-`_to_fp8_rowwise_then_scaled_grouped_mm` for both GEMMs. Prints tokens/s (routed rows), × bf16 and
-peak memory per system.
+`_to_fp8_rowwise_then_scaled_grouped_mm` for both GEMMs; "<recipe> quantized" holds the stacks in low
+precision (`weights="quantized"`: each expert's two FP8 copies, no fp32 values). Prints tokens/s
+(routed rows), × bf16 and peak memory per system.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
     model = Experts(experts, hidden, width).cuda()
     if system == "torchao rowwise":
         model.grouped_mm = torchao_grouped_mm()
-    elif system != "bf16":
-        qtensor.quantize_(model, getattr(qtensor.recipes, system)())
+    elif system != "bf16":  # "<recipe>" quantizes at use from the fp32 stacks; "<recipe> quantized" holds them in low precision
+        recipe, _, weights = system.partition(" ")
+        qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights or "dynamic")
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
     grad = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)

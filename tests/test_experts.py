@@ -439,14 +439,15 @@ def test_a_hugging_face_moe_trains_its_experts_quantized_with_every_implementati
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("call", list(GROUPED_CALLS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized_linear(case, call):
+def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized_linear(case, call, weights):
     """As on the CPU, with the GPU's cast kernels (bit-identical to the references) and GEMMs: FP8
     tensor cores for Float8 (fast accumulation in fprop), bf16 tensor cores over exact values for the
     others. Their accumulation differs from fp32's, so the bound is 1e-3 of |A|·|B|, not 1e-5; a row
     through the wrong expert or group would miss it by orders of magnitude."""
-    module, w = quantized_stack(case, transposed=call == "stored [E, K, N]")
+    module, w = quantized_stack(case, transposed=call == "stored [E, K, N]", weights=weights)
     module.cuda()
     x, grad = varied(ROWS, K, seed=2), varied(ROWS, N, seed=3)
     y, x_grad, w_grad = (t.cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), GROUPED_CALLS[call]))
@@ -467,8 +468,9 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ends", [[32, 32, 96, 128, 128, 160, 192, 192, 224, 256], [16, 16, 53, 112, 112, 130, 161, 161, 200, 240]],
                          ids=["groups of 16s", "groups of any size"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8", "float8"])
-def test_grouped_gemms_run_every_group_in_one_launch(case, ends):
+def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights):
     """A bf16 stack of ten experts and its input, every dimension a multiple of 32: each GEMM of the
     grouped linear is one grouped GEMM over every group (Float8: `torch._scaled_grouped_mm` on the
     FP8 tensor cores; MXFP8: `torch._grouped_mm` over the exact bf16 values; per-tensor Float8 with
@@ -479,7 +481,7 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends):
     module = nn.Module()
     module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(torch.bfloat16))
     w = [module.weight_stack[e].detach().float().numpy() for e in range(experts)]
-    qtensor.quantize_(module, factory_for(case))
+    qtensor.quantize_(module, factory_for(case), weights=weights)
     module.cuda()
     x, grad = varied(rows, k, seed=2).to(torch.bfloat16), varied(rows, n, seed=3).to(torch.bfloat16)
     call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))

@@ -1,0 +1,145 @@
+"""Expert stacks held quantized (`quantize_(..., weights="quantized")`): each expert's matrix cast
+once, on its own, in both directions, and no high-precision values kept.
+
+The GEMMs through every experts implementation are checked against the numpy oracle in
+tests/test_experts.py in both weight modes; here, what holding a stack quantized adds: its bytes,
+training through MasterWeights, checkpoints, dequantize_, and what it refuses.
+"""
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import qtensor
+from qtensor.optim import MasterWeights
+from test_experts import CASES, E, ENDS, K, N, ROWS, Stack, factory_for, tiny_model
+from test_linear import varied
+
+GROUPED = lambda m, x: torch._grouped_mm(x, m.weight_stack.transpose(-2, -1) if not m.is_transposed else m.weight_stack,
+                                         offs=torch.tensor(ENDS, dtype=torch.int32))
+
+
+def held_quantized(case, transposed=False, seed=1):
+    module = Stack(transposed, seed=seed)
+    original = [module.matrix(e) for e in range(E)]
+    report = qtensor.quantize_(module, factory_for(case), weights="quantized", strict=True)
+    assert report.quantized["weight_stack"].startswith("a stack of 4 experts") and report.quantized["weight_stack"].endswith("weights=quantized")
+    return module, original
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["stack [E, out, in]", "stack [E, in, out]"])
+@pytest.mark.parametrize("case", ["float8", "float8_rowwise", "mxfp8", "nvfp4"])
+def test_each_expert_is_cast_on_its_own_and_only_low_precision_bytes_are_kept(case, transposed):
+    module, original = held_quantized(case, transposed)
+    stack = module.weight_stack
+    assert type(stack).__name__ == "QuantizedStack" and stack.shape == ((E, K, N) if transposed else (E, N, K))
+    deq = CASES[case][1]["weight"]
+    for expert, matrix in zip(stack.experts, original):  # its own scales: the oracle's cast of that matrix alone
+        for direction in ("rowwise", "columnwise"):
+            np.testing.assert_array_equal(expert.dequantize(torch.float32, direction).numpy(), deq(matrix, direction).astype(np.float32))
+    # Codes and scales only: 2 bytes an element (FP8, both copies) or less, never the float32 values.
+    assert stack.storage_nbytes() <= 0.55 * E * N * K * 4
+    assert all(buffer.dtype != torch.float32 or buffer[0].numel() <= N * K // 16 for buffer in stack.stacked.values())
+    for (direction, name), buffer in stack.stacked.items():  # each expert's bytes are row e of the stacked buffers
+        assert all(getattr(expert, direction).buffers[name].data_ptr() == buffer[e].data_ptr() for e, expert in enumerate(stack.experts))
+    qtensor.dequantize_(module)  # plain values, as the module keeps them
+    assert type(module.weight_stack) is nn.Parameter and module.weight_stack.shape == stack.shape
+    for e, matrix in enumerate(original):
+        values = module.weight_stack.detach()[e]
+        np.testing.assert_array_equal((values.t() if transposed else values).numpy(), deq(matrix, "rowwise").astype(np.float32))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_master_weights_train_the_stacks_and_each_step_casts_every_expert_from_its_master(family, implementation):
+    model = tiny_model(family)
+    qtensor.quantize_(model, qtensor.recipes.float8_rowwise(), weights="quantized")
+    model.set_experts_implementation(implementation)
+    stacks = [p for p in model.parameters() if p.dim() == 3 and type(p).__name__ == "QuantizedStack"]
+    assert len(stacks) == 4  # gate_up_proj and down_proj of both blocks
+    optimizer = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    masters = dict(optimizer.pairs)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(4):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert all(masters[stack].grad is stack.grad for stack in stacks)  # handed to the masters
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3
+    quantizer = qtensor.Float8BlockQuantizer(block_rows=1, block_cols=None, pow2_scales=True)  # the recipe's weight role
+    for stack in stacks:
+        master = masters[stack].detach()
+        matrices = master.transpose(-2, -1) if family == "gpt_oss" else master  # gpt-oss keeps [E, in, out]
+        for expert, matrix in zip(stack.experts, matrices):
+            fresh = quantizer.quantize(matrix, rowwise=True, columnwise=True)
+            for direction in ("rowwise", "columnwise"):
+                mine, theirs = getattr(expert, direction).buffers, getattr(fresh, direction).buffers
+                assert all(torch.equal(mine[name].view(torch.uint8), theirs[name].view(torch.uint8)) for name in theirs)
+
+
+def test_a_stack_held_quantized_saves_and_loads_byte_for_byte_expert_by_expert(tmp_path):
+    module, _ = held_quantized("mxfp8")
+    keys = list(module.state_dict())
+    assert keys == [f"expert_weights.weight_stack.{e}" for e in range(E)]
+    qtensor.save_model(module, tmp_path / "experts.safetensors")
+    other, _ = held_quantized("mxfp8", seed=9)
+    x = varied(ROWS, K, seed=2)
+    assert not torch.equal(GROUPED(other, x), GROUPED(module, x))
+    qtensor.load_model(other, tmp_path / "experts.safetensors")
+    for mine, theirs in zip(other.weight_stack.experts, module.weight_stack.experts):
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(mine.buffer_dict().values(), theirs.buffer_dict().values()))
+    assert torch.equal(GROUPED(other, x), GROUPED(module, x))
+    # Into a model quantized otherwise: refused before anything is written, naming the expert.
+    different, _ = held_quantized("float8")
+    before = copy.deepcopy(different.weight_stack)
+    with pytest.raises(ValueError, match=r"expert_weights\.weight_stack\.0: the model holds"):
+        qtensor.load_model(different, tmp_path / "experts.safetensors")
+    assert torch.equal(different.weight_stack.experts[2].rowwise.data.view(torch.uint8), before.experts[2].rowwise.data.view(torch.uint8))
+    # A plain stack (a dynamic model's entry, a plain checkpoint's) loads by casting each expert.
+    plain = Stack(seed=5)
+    module.load_state_dict(plain.state_dict())
+    reference, _ = held_quantized("mxfp8", seed=5)
+    assert torch.equal(GROUPED(module, x), GROUPED(reference, x))
+
+
+def test_copies_of_a_stack_held_quantized_own_their_bytes():
+    module, _ = held_quantized("float8_rowwise")
+    x = varied(ROWS, K, seed=2)
+    expected = GROUPED(module, x)
+    copied = copy.deepcopy(module)
+    stream = io.BytesIO()
+    torch.save(module, stream)
+    stream.seek(0)
+    unpickled = torch.load(stream, weights_only=False)
+    as_bf16 = copy.deepcopy(module).to(torch.bfloat16)  # the nominal dtype changes, not the bytes
+    assert as_bf16.weight_stack.dtype == torch.bfloat16 and type(as_bf16.weight_stack).__name__ == "QuantizedStack"
+    for mine, theirs in zip(as_bf16.weight_stack.experts, module.weight_stack.experts):
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(mine.buffer_dict().values(), theirs.buffer_dict().values()))
+    assert GROUPED(as_bf16, x.bfloat16()).dtype == torch.bfloat16
+    with torch.no_grad():
+        module.weight_stack.copy_(torch.zeros(E, N, K))  # the original changes; the copies do not
+    assert not GROUPED(module, x).any()
+    assert torch.equal(GROUPED(copied, x), expected) and torch.equal(GROUPED(unpickled, x), expected)
+
+
+def test_what_a_stack_held_quantized_refuses_says_what_to_do():
+    module, _ = held_quantized("float8")
+    stack = module.weight_stack
+    with pytest.raises(NotImplementedError, match="FSDP2 and tensor parallelism shard a stack held dynamic"):
+        torch.chunk(stack.detach(), 2, dim=0)  # what FSDP2 does to a parameter
+    with pytest.raises(NotImplementedError, match="FSDP2 and tensor parallelism shard a stack held dynamic"):
+        stack.detach()[1:3]
+    with pytest.raises(NotImplementedError, match="would write into an expert stack held quantized"):
+        with torch.no_grad():
+            stack.add_(1.0)
+    # A read that has no quantized meaning runs on the dequantized values, and qtensor.fallbacks sees it.
+    with qtensor.fallbacks("raise"), pytest.raises(RuntimeError, match="QuantizedStack"):
+        stack.detach().sum()
+    assert torch.equal(stack.detach().sum(), stack.dequantize().sum())
