@@ -143,3 +143,28 @@ def test_what_a_stack_held_quantized_refuses_says_what_to_do():
     with qtensor.fallbacks("raise"), pytest.raises(RuntimeError, match="QuantizedStack"):
         stack.detach().sum()
     assert torch.equal(stack.detach().sum(), stack.dequantize().sum())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["float8", "float8_rowwise", "mxfp8"])
+def test_on_the_gpu_a_stack_held_quantized_multiplies_as_the_dynamic_one(case):
+    """Four experts of 16-aligned shapes, so each group's GEMMs run on the FP8 (or bf16) tensor
+    cores reading each expert's bytes in place (its scale too: cuBLAS takes only 16-byte aligned
+    scale pointers). The dynamic stack casts the same values to the same codes and scales, and the
+    GPU tests of tests/test_experts.py hold it to the oracle: outputs and gradients are equal."""
+    import torch.nn.functional as F
+
+    experts, k, n, ends = 4, 128, 64, [32, 32, 96, 144]
+    results = []
+    for weights in ("dynamic", "quantized"):
+        module = nn.Module()
+        module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1))
+        qtensor.quantize_(module, factory_for(case), weights=weights)
+        module.cuda()
+        x = varied(ends[-1], k, seed=2).cuda().requires_grad_(True)
+        y = F.grouped_mm(x, module.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
+        y.backward(varied(ends[-1], n, seed=3).cuda())
+        results.append((y.detach(), x.grad, module.weight_stack.grad))
+    for dynamic, held in zip(*results):
+        assert torch.equal(dynamic, held)

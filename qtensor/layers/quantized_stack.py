@@ -90,8 +90,11 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     def _operand(self, direction: str) -> GroupedOperand:
         data, scale_inv = self.stacked[(direction, "data")], self.stacked[(direction, "scale_inv")]
         experts, rows = data.shape[0], data.shape[1]
-        # A tensor scale per expert ([E]) or one per row of each ([E, rows, 1]), as one factor per row.
-        return GroupedOperand(data, scale_inv.reshape(experts, -1).expand(experts, rows).contiguous())
+        # A tensor scale per expert (stacked [E, 4]: see `_stacked`) or one per row of each ([E, rows, 1]),
+        # as one factor per row.
+        per_expert = scale_inv.reshape(experts, -1)
+        per_expert = per_expert[:, :1] if getattr(self.experts[0], direction).buffers["scale_inv"].dim() == 0 else per_expert
+        return GroupedOperand(data, per_expert.expand(experts, rows).contiguous())
 
     def requantize(self, values: torch.Tensor) -> None:
         """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own."""
@@ -144,12 +147,20 @@ def quantized_stack(values: torch.Tensor, linear: LinearQuantizers) -> Quantized
 
 def _stacked(casts) -> dict:
     """(direction, buffer name) -> the experts' buffers stacked along a new dim 0 (a buffer both
-    directions of a cast share, stacked once)."""
+    directions of a cast share, stacked once). A tensor-wide scalar (Float8's scale) is stacked as
+    [E, 4], each expert's at the start of its own 16 bytes: cuBLAS refuses a scale pointer that is
+    not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED on an H100)."""
     stacked = {}
     for direction in ("rowwise", "columnwise"):
         for name in getattr(casts[0], direction).buffers:
             shared = [key for key in stacked if _buffer(casts[0], *key) is _buffer(casts[0], direction, name)]
-            stacked[(direction, name)] = stacked[shared[0]] if shared else torch.stack([_buffer(c, direction, name) for c in casts])
+            if shared:
+                stacked[(direction, name)] = stacked[shared[0]]
+                continue
+            buffers = torch.stack([_buffer(c, direction, name) for c in casts])
+            if buffers.dim() == 1:
+                buffers = torch.nn.functional.pad(buffers[:, None], (0, 16 // buffers.element_size() - 1))
+            stacked[(direction, name)] = buffers
     return stacked
 
 
@@ -173,9 +184,9 @@ def _over_stacked(stacked: dict, template: QuantizedTensor, linear: LinearQuanti
         for direction in ("rowwise", "columnwise"):
             storage = getattr(template, direction)
             buffers = {}
-            for name in storage.buffers:
+            for name, own in storage.buffers.items():
                 tensor = stacked[(direction, name)]
-                buffers[name] = views.setdefault(id(tensor), tensor[expert])
+                buffers[name] = views.setdefault(id(tensor), tensor[expert, 0] if own.dim() == 0 else tensor[expert])
             storages[direction] = storage.rebuilt(buffers)
         config = linear.experts[expert] if linear.experts else linear
         cast = type(template).data_class(template.shape, dtype or template.dtype, storages["rowwise"], storages["columnwise"], config.weight)
