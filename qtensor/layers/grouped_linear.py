@@ -177,17 +177,15 @@ class PaddedGroupsFunction(torch.autograd.Function):
             values = stack.plain()
             weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
             w_q = _quantize(linear.weight, weights.reshape(experts * n, k), rowwise=True, columnwise=input_needs_grad)
-        else:  # the experts' casts, both directions
-            w_q = _ExpertCasts(stack.experts)
+        else:  # the experts' casts, both directions, as one [E·N, K] tensor over the stack's bytes
+            w_q = stack.joined()
         out_dtype = _output_dtype(x, stack)
         y = gemm.grouped.values_nt(
             _values(x_q, "rowwise"), _values(w_q, "rowwise").view(experts, n, k).transpose(-2, -1), groups.offsets(False), groups.lengths,
             out_dtype,
         )
         saved, ctx.rebuilds = [], []
-        # A stack held quantized keeps its own bytes: nothing to save for it.
-        ctx.expert_casts = w_q if isinstance(w_q, _ExpertCasts) and input_needs_grad else None
-        for tensor, needed in ((x_col, weight_needs_grad), (w_q, input_needs_grad and ctx.expert_casts is None)):
+        for tensor, needed in ((x_col, weight_needs_grad), (w_q, input_needs_grad)):
             tensors, rebuild = _pack_saved(tensor, "columnwise") if needed else ([None], None)
             ctx.rebuilds.append((len(tensors), rebuild))
             saved.extend(tensors)
@@ -203,7 +201,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
         x_shape, x_dtype, stack_dtype, (experts, n, k), wgrad_dtype = ctx.shapes
         (x_count, x_rebuild), (w_count, w_rebuild) = ctx.rebuilds
         saved = ctx.saved_tensors
-        x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), ctx.expert_casts or _unpack_saved(saved[x_count:], w_rebuild)
+        x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), _unpack_saved(saved[x_count:], w_rebuild)
         grad = grad_out[: sum(groups.lengths)]
         grad_x = grad_stack = None
         padded = _aligned(groups, linear)
@@ -237,19 +235,9 @@ def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     return out
 
 
-def _values(tensor, direction: str) -> torch.Tensor:
+def _values(tensor: QuantizedTensor, direction: str) -> torch.Tensor:
     """One direction's values, [rows, cols]: bf16 on a GPU (exact for these formats), fp32 elsewhere."""
-    if isinstance(tensor, _ExpertCasts):
-        return torch.cat([_values(expert, direction) for expert in tensor.experts])
     return tensor.dequantize(torch.bfloat16 if tensor.storage_for(direction).device.type == "cuda" else torch.float32, direction)
-
-
-class _ExpertCasts:
-    """A stack held quantized, as `PaddedGroupsFunction` reads its weight: the experts' casts, whose
-    values are taken expert by expert (saved for the backward as they are: the stack's own bytes)."""
-
-    def __init__(self, experts):
-        self.experts = experts
 
 
 def _wgrad_dtype(out_dtype: torch.dtype, stack) -> torch.dtype:
@@ -288,6 +276,7 @@ def _pads_groups(linear: LinearQuantizers, stack, in_out: bool):
     blocks = {quantizer.group_block_rows() if quantizer is not None else None for quantizer in roles}
     out_features = stack.shape[-1] if in_out else stack.shape[-2]
     takes = linear.backward_override is None and len(blocks) == 1 and None not in blocks and out_features % blocks.pop() == 0
+    takes = takes and (stack.quantized_at_use or stack.joined() is not None)  # a stack held quantized: its experts as one tensor
     # With few experts, each large, group by group is faster (it casts each group's two copies from
     # one read; measured on an H100 at Mixtral-like shapes, 8 experts: 0.87x bf16 against 0.80x).
     return PaddedGroupsFunction if takes and stack.shape[0] > FEW_EXPERTS else None

@@ -96,6 +96,26 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         per_expert = per_expert[:, :1] if getattr(self.experts[0], direction).buffers["scale_inv"].dim() == 0 else per_expert
         return GroupedOperand(data, per_expert.expand(experts, rows).contiguous())
 
+    def joined(self) -> QuantizedTensor | None:
+        """The experts as one `[experts · out, in]` quantized tensor over the stacked bytes (views:
+        no copy where each buffer's rows come first), where every buffer of both copies follows the
+        rows and each expert's rows fill whole entries of it (MXFP8 experts of whole 32-row blocks);
+        else None (a tensor-wide scale per expert cannot be one tensor's)."""
+        first, count = self.experts[0], len(self.experts)
+        rows = first.shape[0]
+        storages = {}
+        for direction in ("rowwise", "columnwise"):
+            storage, buffers = getattr(first, direction), {}
+            for spec in storage.buffer_specs():
+                if spec.tensor_wide or spec.entries(rows * count) != count * spec.entries(rows):
+                    return None
+                stacked = self.stacked[(direction, spec.name)]
+                shape = list(stacked.shape[1:])
+                shape[spec.row_axis] *= count
+                buffers[spec.name] = stacked.movedim(0, spec.row_axis).reshape(shape)
+            storages[direction] = storage.rebuilt(buffers, rows=rows * count)
+        return type(first).data_class((rows * count, first.shape[1]), first.dtype, storages["rowwise"], storages["columnwise"], first.quantizer)
+
     def requantize(self, values: torch.Tensor) -> None:
         """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own."""
         values = values.to(device=self.device)
