@@ -286,8 +286,8 @@ def test_a_grouped_gemm_over_a_stack_read_the_wrong_way_round_is_refused():
         F.grouped_mm(varied(ROWS, N, seed=2), module.weight_stack, offs=torch.tensor(ENDS, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
-def test_a_compiled_moe_runs_its_experts_quantized(implementation):
+@pytest.mark.parametrize("implementation, weights", [("batched_mm", "dynamic"), ("grouped_mm", "dynamic"), ("grouped_mm", "quantized")])
+def test_a_compiled_moe_runs_its_experts_quantized(implementation, weights):
     """Under torch.compile the batched and grouped experts implementations run the stacks' quantized
     linears (eagerly, a graph break around each call over a stack): the compiled loss is the eager
     one, not the loss of the model whose experts stay in high precision (transformers' grouped_mm
@@ -298,7 +298,7 @@ def test_a_compiled_moe_runs_its_experts_quantized(implementation):
     losses = []
     for keep in ([], ["*.experts"]):
         model = tiny_model("qwen3_moe", layers=1)
-        qtensor.quantize_(model, qtensor.recipes.float8_current(), exclude=["lm_head", *keep])
+        qtensor.quantize_(model, qtensor.recipes.float8_current(), exclude=["lm_head", *keep], weights=weights)
         model.set_experts_implementation(implementation)
         # aot_eager: Dynamo's tracing and routing, which decide what runs quantized, without inductor's codegen time
         losses.append((model(ids, labels=ids).loss.item(), torch.compile(model, backend="aot_eager")(ids, labels=ids).loss.item()))
@@ -306,13 +306,15 @@ def test_a_compiled_moe_runs_its_experts_quantized(implementation):
     assert compiled == eager and eager != plain_experts
 
 
-def test_inside_high_precision_a_stack_multiplies_its_own_values():
-    module, _ = quantized_stack("mxfp8")
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_inside_high_precision_a_stack_multiplies_its_own_values(weights):
+    module, _ = quantized_stack("mxfp8", weights=weights)
     x = varied(ROWS, K, seed=2)
     offs = torch.tensor(ENDS, dtype=torch.int32)
     with qtensor.high_precision():
         y = F.grouped_mm(x, module.weight_stack.transpose(-2, -1), offs=offs)
-    plain = module.weight_stack.detach().plain()
+    # its values: a dynamic stack's own, the dequantized experts of one held quantized
+    plain = module.weight_stack.detach().plain() if weights == "dynamic" else module.weight_stack.dequantize()
     expected = torch.cat([x[a:b] @ plain[e].t() for e, (a, b) in enumerate(zip([0, *ENDS], ENDS))])
     torch.testing.assert_close(y[: ENDS[-1]], expected)
 

@@ -21,8 +21,10 @@ quantized weight's.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..core import ops as core_ops, tensor as core_tensor
 from ..core.quantizer import GroupedOperand
@@ -130,9 +132,11 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = _OPS.get(func)
-        if handler is not None:
-            return handler(func, args, kwargs)
-        return _on_values(func, args, kwargs)
+        if handler is None:
+            return _on_values(func, args, kwargs)
+        out = handler(func, args, kwargs)
+        # A view of the stack is another stack over the same bytes: told to autograd and torch.compile as a view.
+        return return_and_correct_aliasing(func, args, kwargs, out) if func in _VIEWS and isinstance(out, QuantizedStack) else out
 
     def __deepcopy__(self, memo):
         stacked, linear = copy.deepcopy((self.stacked, self.linear_quantizers), memo)
@@ -151,9 +155,9 @@ class QuantizedStack(LayerWeight, torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
-        template, linear = context
+        layout, linear = context
         stacked = {tuple(key.split("__", 1)): tensor for key, tensor in inner_tensors.items()}
-        return _over_stacked(stacked, template, linear, shape=outer_size, stride=outer_stride)
+        return _over_stacked(stacked, layout, linear, shape=outer_size, stride=outer_stride)
 
 
 def quantized_stack(values: torch.Tensor, linear: LinearQuantizers) -> QuantizedStack:
@@ -188,34 +192,58 @@ def _buffer(tensor: QuantizedTensor, direction: str, name: str) -> torch.Tensor:
     return getattr(tensor, direction).buffers[name]
 
 
-def _template(stack: QuantizedStack) -> QuantizedTensor:
-    """An expert whose storages' kinds, options, shape and dtype every expert of the stack shares."""
-    return stack.experts[0]
+class ExpertLayout(NamedTuple):
+    """What every expert of a stack shares, by value (torch.compile guards on it): the format's tensor
+    class, the matrix's shape and nominal dtype, and per direction the storage class, its options and
+    which of its buffers are tensor-wide scalars."""
+
+    data_class: type
+    shape: tuple
+    dtype: torch.dtype
+    storages: tuple  # (direction, storage class, options as sorted items, scalar buffer names)
+
+    @staticmethod
+    def of(expert: QuantizedTensor, dtype: torch.dtype | None = None) -> "ExpertLayout":
+        storages = tuple(
+            (direction, type(storage), tuple(sorted(storage.options.items())), tuple(n for n, b in storage.buffers.items() if b.dim() == 0))
+            for direction in ("rowwise", "columnwise")
+            for storage in (getattr(expert, direction),)
+        )
+        return ExpertLayout(type(expert).data_class, tuple(expert.shape), dtype or expert.dtype, storages)
+
+    def expert(self, buffers: dict, quantizer) -> QuantizedTensor:
+        """An expert of this layout over `buffers` ((direction, name) -> tensor)."""
+        rows, cols = self.shape
+        storages = {
+            direction: cls(direction=direction, rows=rows, cols=cols, **dict(options), **{n: t for (d, n), t in buffers.items() if d == direction})
+            for direction, cls, options, _ in self.storages
+        }
+        return self.data_class(torch.Size(self.shape), self.dtype, storages["rowwise"], storages["columnwise"], quantizer)
 
 
-def _over_stacked(stacked: dict, template: QuantizedTensor, linear: LinearQuantizers, *, shape=None, stride=None, dtype=None) -> QuantizedStack:
+def _template(stack: QuantizedStack) -> ExpertLayout:
+    return ExpertLayout.of(stack.experts[0])
+
+
+def _over_stacked(stacked: dict, layout, linear: LinearQuantizers, *, shape=None, stride=None, dtype=None) -> QuantizedStack:
     """A stack whose experts are views of row e of every stacked buffer (a buffer both directions share
-    stays one object per expert), each of `template`'s kind and nominal dtype (or `dtype`)."""
+    stays one object per expert), each of `layout` (an `ExpertLayout`, or an expert to read it from)
+    and its nominal dtype (or `dtype`)."""
+    layout = layout if isinstance(layout, ExpertLayout) else ExpertLayout.of(layout)
+    layout = layout._replace(dtype=dtype) if dtype is not None else layout
+    scalars = {(direction, name) for direction, _, _, names in layout.storages for name in names}
     count = next(iter(stacked.values())).shape[0]
     experts = []
     for expert in range(count):
         views = {}
-        storages = {}
-        for direction in ("rowwise", "columnwise"):
-            storage = getattr(template, direction)
-            buffers = {}
-            for name, own in storage.buffers.items():
-                tensor = stacked[(direction, name)]
-                buffers[name] = views.setdefault(id(tensor), tensor[expert, 0] if own.dim() == 0 else tensor[expert])
-            storages[direction] = storage.rebuilt(buffers)
+        buffers = {key: views.setdefault(id(t), t[expert, 0] if key in scalars else t[expert]) for key, t in stacked.items()}
         config = linear.experts[expert] if linear.experts else linear
-        cast = type(template).data_class(template.shape, dtype or template.dtype, storages["rowwise"], storages["columnwise"], config.weight)
-        experts.append(quantized_weight(cast, config))
+        experts.append(quantized_weight(layout.expert(buffers, config.weight), config))
     return QuantizedStack(experts, stacked, linear, shape=shape, stride=stride)
 
 
-def _rebuild_stack(stacked: dict, template, linear, requires_grad: bool):
-    stack = _over_stacked(stacked, template, linear)
+def _rebuild_stack(stacked: dict, layout, linear, requires_grad: bool):
+    stack = _over_stacked(stacked, layout, linear)
     return torch.nn.Parameter(stack, requires_grad=requires_grad) if requires_grad else stack
 
 
@@ -316,6 +344,25 @@ def _copy(func, args, kwargs):
     return stack
 
 
+def _view(func, args, kwargs):
+    """A view of the whole stack as it is (compiled code replays the views it hands back), else refused."""
+    stack, shape = args[0], args[1]
+    if list(shape) == list(stack.shape):
+        return _alias(func, args, kwargs)
+    return _refuse_piece(func, args, kwargs)
+
+
+def _as_strided(func, args, kwargs):
+    """The stack itself or its transpose, as compiled code replays a view it hands back; else refused."""
+    stack, size, stride = args[0], list(args[1]), list(args[2])
+    (e, r, c), (s0, s1, s2) = stack.shape, stack.stride()
+    if (size, stride) == ([e, r, c], [s0, s1, s2]):
+        return _alias(func, args, kwargs)
+    if (size, stride) == ([e, c, r], [s0, s2, s1]):
+        return _transpose(func, (stack, 1, 2), {})
+    return _refuse_piece(func, args, kwargs)
+
+
 def _refuse_piece(func, args, kwargs):
     """A piece of the stack other than one expert (FSDP2's chunks, a slice, a view): refused, since
     its dequantized values would go on as a high-precision weight."""
@@ -341,6 +388,7 @@ def _on_values(func, args, kwargs):
     return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
 
 
+_VIEWS = {aten.detach.default, aten.alias.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default, aten.as_strided.default}
 _OPS = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
@@ -349,9 +397,12 @@ _OPS = {
     aten._to_copy.default: _to_copy,
     aten.clone.default: _clone,
     aten.copy_.default: _copy,
+    aten.view.default: _view,
+    aten.as_strided.default: _as_strided,
+    aten._unsafe_view.default: _view,
     **dict.fromkeys(
         (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor, aten.narrow.default,
-         aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.new_zeros.default,
+         aten.new_zeros.default,
          aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default),
         _refuse_piece,
     ),
