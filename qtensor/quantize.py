@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -245,14 +244,8 @@ def _other_weight_matrices(model: nn.Module, seen: set) -> dict[str, tuple[str, 
         for attribute, param in module.named_parameters(recurse=False):
             if param.dim() < 2 or (id(module), attribute) in seen:
                 continue
-            if param.dim() > 2:
-                *stack, rows, cols = param.shape
-                found[_join(module_name, attribute)] = (
-                    f"a stack of {math.prod(stack)} [{rows}, {cols}] matrices in {type(module).__name__} (fused "
-                    "experts, multiplied by a grouped GEMM): qtensor quantizes 2-D linear weights, so it stays in "
-                    "high precision",
-                    False,
-                )
+            if param.dim() > 2:  # more than one dimension of experts, or an integer stack
+                found[_join(module_name, attribute)] = (experts.unquantized_stack_reason(module, param), False)
             elif isinstance(module, _EMBEDDINGS):
                 found[module_name] = ("an embedding table: a lookup, not a matrix multiplication", True)
             elif experts.is_router(module):
@@ -451,7 +444,7 @@ def _install_weight(module: nn.Module, attribute: str, linear: LinearQuantizers,
     requires_grad = weight.requires_grad
     # An optimizer built before this call would hold this object, which no longer trains anything.
     weight._qtensor_replaced = linear.parameter_name
-    if weights == "quantized" and linear.weight is not None and weight.dim() == 3:  # an expert stack
+    if weights == "quantized" and linear.weight is not None and weight.dim() == 3:  # an expert stack: each expert cast on its own
         setattr(module, attribute, nn.Parameter(quantized_stack(weight, linear), requires_grad=requires_grad))
     elif weights == "quantized" and linear.weight is not None:
         # Both directions: fprop reads the rowwise copy, dgrad the columnwise one; a Conv1D's
@@ -493,11 +486,9 @@ def dequantize_(model: nn.Module) -> None:
             continue
         for attribute, (linear, _) in layers.items():
             weight = getattr(module, attribute)
-            if isinstance(weight, QuantizedStack):
-                plain = weight.dequantize()  # the values as its module keeps them
-            elif isinstance(weight, QuantizedTensor):
+            if isinstance(weight, (QuantizedTensor, QuantizedStack)):  # a stack's values come as its module keeps them
                 plain = weight.dequantize()
-                plain = plain.t().contiguous() if linear.transposed else plain
+                plain = plain.t().contiguous() if linear.transposed and weight.dim() == 2 else plain
             else:
                 plain = weight.plain().detach().clone()
             weight._qtensor_replaced = f"{linear.parameter_name} (by dequantize_)"

@@ -27,6 +27,7 @@ blocks along the rows (the columnwise copies wgrad reads) run over the group's r
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -122,6 +123,15 @@ def is_router(module) -> bool:
     the experts, which every low-precision recipe keeps in high precision (a rounding there changes
     which experts a token goes to)."""
     return type(module).__name__.endswith(("Router", "TopKRouter"))
+
+
+def unquantized_stack_reason(module, param) -> str:
+    """Why a parameter of more than two dimensions that is not an expert stack stays in high precision."""
+    *stack, rows, cols = param.shape
+    return (
+        f"a stack of {math.prod(stack)} [{rows}, {cols}] matrices in {type(module).__name__} (fused experts, multiplied "
+        "by a grouped GEMM): qtensor quantizes 2-D linear weights and [experts, out, in] stacks, so it stays in high precision"
+    )
 
 
 def with_expert_configs(linear, count: int, quantizers_for):
