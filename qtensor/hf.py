@@ -30,8 +30,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from . import checkpoint, recipes
 from .layers import experts
 from .layers.quantized_stack import QuantizedStack, expert_keys
+from .hf_export import export  # noqa: F401 (qtensor.hf.export)
 from .optim import MasterWeights
-from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, running_state, save_running_state
+from .quantize import WEIGHT_MODES, fill_weight, quantize_, running_state, save_running_state
 from .core.quantizer import decode_value, encode_value
 from .recipes import Recipe
 from .core.tensor import QuantizedTensor
@@ -379,102 +380,3 @@ def checkpoint_files(directory) -> list[str]:
     if os.path.exists(single):
         return [single]
     raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json; not a save_pretrained directory.")
-
-
-def export(model, directory, dtype: torch.dtype = torch.bfloat16, *, fp8: bool = False, **save_pretrained_kwargs) -> None:
-    """Write `model` as a `transformers` checkpoint that loads without qtensor. The model itself is
-    left as it is (a copy is exported).
-
-    - `fp8=False`: a plain checkpoint, every weight its dequantized values (a dynamic weight its own
-      values) in `dtype`, no quantization config, no running state.
-    - `fp8=True`: every Float8-quantized linear layer's forward weight in the fine-grained FP8
-      layout that `transformers`' own FP8 loader reads (`quant_method="fp8"`, DeepSeek-V3's):
-      `weight` (E4M3, the bytes the layer's forward GEMM reads) and `weight_scale_inv` (fp32, one
-      per `weight_block_size` block), everything else in `dtype`, the linear layers qtensor left
-      in high precision named in `modules_to_not_convert`. Per-tensor and 128x128-block weights are
-      written with 128x128 blocks, row-wise and 1x128 ones with 1x128 blocks, each block's scale
-      the one its values were cast with: the FP8 values are exactly the quantized model's.
-    """
-    plain = copy.deepcopy(model)
-    weights, block = _fine_grained_fp8(plain) if fp8 else ({}, None)
-    dequantize_(plain)
-    for attribute in ("hf_quantizer", "quantization_method", "qtensor_report"):
-        if hasattr(plain, attribute):
-            delattr(plain, attribute)
-    plain.is_quantized = False
-    if hasattr(plain.config, "quantization_config"):
-        del plain.config.quantization_config
-    plain.to(dtype)
-    if fp8:
-        from transformers import FineGrainedFP8Config
-
-        for name, (data, scale_inv) in weights.items():
-            module = plain.get_submodule(name)
-            module.weight = torch.nn.Parameter(data, requires_grad=False)
-            module.weight_scale_inv = torch.nn.Parameter(scale_inv, requires_grad=False)
-        kept = [name for name, module in plain.named_modules() if isinstance(module, torch.nn.Linear) and name not in weights]
-        plain.config.quantization_config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=kept)
-    plain.save_pretrained(directory, **save_pretrained_kwargs)
-
-
-def _fine_grained_fp8(model) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], tuple[int, int]]:
-    """{layer: (E4M3 weight [out, in], fp32 scale_inv per block)} for every quantized nn.Linear, and
-    the block size they share; ValueError naming every layer that the layout cannot hold exactly."""
-    copies, refused = {}, []
-    for name, module in model.named_modules():
-        for attribute, (linear, _) in module.__dict__.get("_qtensor_layers", {}).items():
-            layer = f"{name}.{attribute}" if name else attribute
-            weight = getattr(module, attribute)
-            if not isinstance(module, torch.nn.Linear) or attribute != "weight":
-                refused.append(f"{layer} ({type(module).__name__}: transformers' FP8 loader converts nn.Linear layers only)")
-                continue
-            if isinstance(weight, QuantizedTensor):
-                storage = weight.rowwise
-            else:  # a dynamic weight: the bytes the forward GEMM reads, cast now by the layer's weight quantizer
-                storage = linear.weight.quantize(weight.plain().detach(), rowwise=True, columnwise=False).rowwise
-            reason = _fp8_layout_refusal(storage)
-            if reason:
-                refused.append(f"{layer} ({reason})")
-            else:
-                copies[name] = storage
-    if refused:
-        raise ValueError(
-            "qtensor.hf.export(fp8=True) writes Float8 E4M3 weights in transformers' fine-grained FP8 layout; "
-            f"these cannot be written exactly: {'; '.join(refused)}. Export with fp8=False (dequantized values), "
-            "or quantize those layers with a Float8 recipe."
-        )
-    rows = 1 if any(getattr(storage, "block_rows", 128) == 1 for storage in copies.values()) else 128
-    block = (rows, 128)
-    partial = [
-        f"{name} [{storage.rows}, {storage.cols}]" for name, storage in copies.items()
-        if any(n % b and n > b for n, b in zip((storage.rows, storage.cols), block))
-    ]
-    if partial:
-        raise ValueError(
-            f"qtensor.hf.export(fp8=True): {partial} are not whole {block[0]}x{block[1]} blocks (or a single partial "
-            "one), which transformers' FP8 loader cannot read back exactly. Export with fp8=False."
-        )
-    return {name: (storage.data, _block_scales(storage, block)) for name, storage in copies.items()}, block
-
-
-def _fp8_layout_refusal(storage) -> str | None:
-    if storage.format_name not in ("float8", "float8_block"):
-        return f"its forward weight is {storage.format_name}, not Float8"
-    if storage.fp8_dtype != torch.float8_e4m3fn:
-        return f"its weight is {storage.fp8_dtype}; the layout holds float8_e4m3fn"
-    return None
-
-
-def _block_scales(storage, block: tuple[int, int]) -> torch.Tensor:
-    """The fp32 decode scale of each `block` of the weight: the scale each block's values were cast
-    with (each block lies inside one of the storage's own scale blocks)."""
-    rows, cols = storage.rows, storage.cols
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    scale_inv = storage.scale_inv.float()
-    if storage.format_name == "float8":  # one scale for the tensor
-        return scale_inv.reshape(1, 1).expand(grid).contiguous()
-    if storage.block_rows != block[0]:  # 128-row blocks written as rows
-        scale_inv = scale_inv.repeat_interleave(storage.block_rows, dim=0)[:rows]
-    if storage.block_cols is None:  # one scale per row
-        scale_inv = scale_inv.expand(rows, grid[1])
-    return scale_inv.contiguous()

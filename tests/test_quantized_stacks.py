@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import qtensor
+import qtensor.hf
 from qtensor.optim import MasterWeights
 from test_experts import CASES, E, ENDS, K, N, ROWS, Stack, factory_for, tiny_model
 from test_linear import varied
@@ -168,3 +169,33 @@ def test_on_the_gpu_a_stack_held_quantized_multiplies_as_the_dynamic_one(case):
         results.append((y.detach(), x.grad, module.weight_stack.grad))
     for dynamic, held in zip(*results):
         assert torch.equal(dynamic, held)
+
+
+def test_fp8_export_refuses_quantized_stacks_and_writes_experts_kept_in_high_precision(tmp_path):
+    """transformers' FP8 loader dequantizes (on a CPU) only `weight` / `weight_scale_inv` pairs: a fused
+    stack's FP8 bytes would load without their scales, so export(fp8=True) refuses quantized stacks.
+    With the experts kept in high precision, the linear layers are written in FP8 and the experts
+    modules are named in `modules_to_not_convert`: transformers loads their plain values."""
+    import json
+
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    quantized = copy.deepcopy(model)
+    qtensor.quantize_(quantized, qtensor.recipes.float8_current(), weights="quantized")
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj \(an expert stack: transformers' FP8 loader"):
+        qtensor.hf.export(quantized, tmp_path / "refused", fp8=True)
+    assert not (tmp_path / "refused").exists()
+    kept = copy.deepcopy(model)
+    qtensor.quantize_(kept, qtensor.recipes.float8_current(), exclude=["*.experts"])
+    qtensor.hf.export(kept, tmp_path / "fp8", fp8=True)
+    written = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "fp8" and "model.layers.0.mlp.experts" in written["modules_to_not_convert"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
+    experts = loaded.model.layers[0].mlp.experts
+    assert torch.equal(experts.gate_up_proj, model.model.layers[0].mlp.experts.gate_up_proj.detach().to(torch.bfloat16))
