@@ -419,7 +419,7 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
     header, owner_file, description = {}, {}, None
     for filename in filenames:
         entries, metadata = read_header(filename)
-        parsed = _parse_description(filename, metadata)
+        parsed = parse_description(filename, metadata)
         if description is None:
             description = parsed
         elif parsed != description:
@@ -438,7 +438,11 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
             plain.append(name)
         else:
             groups[owner][name[len(owner) + 1 :]] = name
-    if keys is not None:  # read only these entries
+    # A writer that stored entries under other names (transformers renames some models' keys as it
+    # saves them) lists them: stored name -> state_dict key.
+    renamed = description["names"]
+    if keys is not None:  # read only these entries (state_dict keys)
+        keys = {stored for stored in [*groups, *plain] if renamed.get(stored, stored) in keys}
         groups, plain = {key: names for key, names in groups.items() if key in keys}, [name for name in plain if name in keys]
     # Check every quantized tensor against its declared layouts on meta tensors: no data read yet.
     for key, names in groups.items():
@@ -456,7 +460,8 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
         raise
     except Exception as error:  # safetensors' own error for anything the header check let through
         raise ValueError(f"{where}: safetensors could not read it ({error}).") from None
-    return _Read(tensors, description["tied"])
+    back = lambda name: renamed.get(name, name)
+    return _Read({back(key): value for key, value in tensors.items()}, {back(a): back(b) for a, b in description["tied"].items()})
 
 
 def entry_prefixes(name: str):
@@ -469,9 +474,9 @@ def _meta_tensor(entry: dict, device) -> torch.Tensor:
     return torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]][0], device="meta")
 
 
-def _parse_description(filename: str, metadata: dict[str, str]) -> dict:
+def parse_description(filename: str, metadata: dict[str, str]) -> dict:
     if METADATA_KEY not in metadata:
-        return {"tensors": {}, "tied": {}}
+        return {"tensors": {}, "tied": {}, "names": {}}
     try:
         description = json.loads(metadata[METADATA_KEY])
     except ValueError as error:
@@ -481,10 +486,10 @@ def _parse_description(filename: str, metadata: dict[str, str]) -> dict:
             f"{filename}: __metadata__[{METADATA_KEY!r}] must be an object with version {FORMAT_VERSION}, "
             f"got {str(description)[:200]}."
         )
-    tensors, tied = description.get("tensors"), description.get("tied", {})
-    unknown = set(description) - {"version", "tensors", "tied"}
-    if unknown or not isinstance(tensors, dict) or not isinstance(tied, dict):
-        raise ValueError(f"{filename}: __metadata__[{METADATA_KEY!r}] holds version, tensors and tied only; got {sorted(description)}.")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-        raise ValueError(f"{filename}: tied must map names to names.")
-    return {"tensors": tensors, "tied": tied}
+    tensors, tied, names = description.get("tensors"), description.get("tied", {}), description.get("names", {})
+    unknown = set(description) - {"version", "tensors", "tied", "names"}
+    if unknown or not isinstance(tensors, dict) or not isinstance(tied, dict) or not isinstance(names, dict):
+        raise ValueError(f"{filename}: __metadata__[{METADATA_KEY!r}] holds version, tensors, tied and names only; got {sorted(description)}.")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in (*tied.items(), *names.items())):
+        raise ValueError(f"{filename}: tied and names must map names to names.")
+    return {"tensors": tensors, "tied": tied, "names": names}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import re
 from typing import Any, Callable
@@ -143,9 +144,11 @@ class QTensorHfQuantizer(HfQuantizer):
         if not checkpoint_files:
             raise ValueError("qtensor: from_pretrained with a QTensorConfig reads safetensors files; none were found.")
         self.checkpoint_files = list(checkpoint_files)
-        stored = set()
+        stored, renamed = set(), {}  # the stored names, and those saved under another name (stored -> state_dict key)
         for filename in self.checkpoint_files:
-            stored.update(checkpoint.read_header(filename)[0])
+            header, metadata = checkpoint.read_header(filename)
+            stored.update(header)
+            renamed.update(checkpoint.parse_description(filename, metadata)["names"])
         if self.pre_quantized:
             # The checkpoint holds qtensor's entries (a quantized weight as its buffers, running
             # state) where the plain model has plain weights: transformers loads the rest and is
@@ -154,10 +157,15 @@ class QTensorHfQuantizer(HfQuantizer):
             with torch.device("cpu"), _default_dtype(torch.float32):
                 self._quantize(planned)
             entries = _qtensor_entries(planned)
+            # Each stored name as the model names it (transformers renames back what it renamed on saving).
+            as_model = lambda name: next((renamed[p] + name[len(p):] for p in (name, *checkpoint.entry_prefixes(name)) if p in renamed), name)
+            stored = {as_model(name) for name in stored}
             owned = {name for name in stored if name in entries or any(key in entries for key in checkpoint.entry_prefixes(name))}
             exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(owned)
-            model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact(entries - stored)
+            # A stack held quantized is stored as its experts' entries, not under its own name.
+            held = {prefix + a for prefix, module in _quantized_modules(planned) for a in module._qtensor_layers if isinstance(getattr(module, a), QuantizedStack)}
+            model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact((entries | held) - stored)
             return model
         # transformers ties weights only after loading: tie now what it will tie, so that quantize_
         # leaves tied layers in high precision, as it does on the loaded model.
@@ -202,15 +210,8 @@ class QTensorHfQuantizer(HfQuantizer):
                 f"from_pretrained); this model was quantized with {self.quantization_config.recipe!r}. Save it with "
                 "qtensor.save_model and load it with qtensor.load_model into a model quantize_'d the same way."
             )
-        delayed = [linear.name for _, module in _quantized_modules(model) for linear, _ in module._qtensor_layers.values() if linear.experts]
-        if delayed:
-            raise NotImplementedError(
-                f"qtensor: save_pretrained of expert stacks with delayed scaling (one amax history per expert) is not built "
-                f"yet: {delayed[:2]}{' ...' if len(delayed) > 2 else ''}. Save the model with qtensor.save_model (which keeps "
-                "every expert's histories) and load it with qtensor.load_model into a model quantize_'d the same way."
-            )
-        _check_stack_names_kept(model)
-        return checkpoint.state_for_writer(model)
+        stored, metadata = checkpoint.state_for_writer(model)
+        return stored, _described_as_stored(model, metadata)
 
     def is_serializable(self, safe_serialization=None) -> bool:
         return True
@@ -251,20 +252,26 @@ def _add_to_report(report, stacks_report) -> None:
             report.skipped[name] = text  # a stack the first pass left to this one
 
 
-def _check_stack_names_kept(model) -> None:
-    """save_pretrained renames some models' keys as it writes them (Mixtral's `mlp` to
-    `block_sparse_moe`), which the stored description of a stack's experts would not follow: refused
-    for stacks held quantized, by name."""
+def _described_as_stored(model, metadata: dict[str, str]) -> dict[str, str]:
+    """The metadata with qtensor's description under the names save_pretrained stores the tensors
+    under: transformers renames some models' keys as it writes them (Mixtral's `mlp` to
+    `block_sparse_moe`, the same renaming `revert_weight_conversion` gives here), so each renamed
+    entry is described under its stored name and `names` maps it back to its state_dict key."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    keys = [key for key in _qtensor_entries(model) if ".expert_weights." in key]
-    renamed = set(revert_weight_conversion(model, {key: torch.empty(0) for key in keys})) if keys else set(keys)
-    if renamed != set(keys):
-        raise NotImplementedError(
-            f"qtensor: save_pretrained of {type(model).__name__} renames its experts' keys as it writes them, which "
-            "qtensor's description of expert stacks held quantized does not follow yet. Save the model with "
-            "qtensor.save_model and load it with qtensor.load_model, or quantize it with weights='dynamic'."
-        )
+    description = json.loads(metadata[checkpoint.METADATA_KEY])
+    keys = sorted(_qtensor_entries(model) | set(description["tensors"]))
+    if not keys:
+        return metadata
+    renamed = revert_weight_conversion(model, {key: torch.empty(index) for index, key in enumerate(keys)})  # each key tagged by its size
+    names = {name: keys[tensor.numel()] for name, tensor in renamed.items() if name != keys[tensor.numel()]}
+    if not names:
+        return metadata
+    stored_as = {key: name for name, key in names.items()}
+    description["tensors"] = {stored_as.get(key, key): value for key, value in description["tensors"].items()}
+    description["tied"] = {stored_as.get(a, a): stored_as.get(b, b) for a, b in description.get("tied", {}).items()}
+    description["names"] = names
+    return {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
 
 
 def _quantized_modules(model):

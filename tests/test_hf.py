@@ -198,17 +198,6 @@ def test_save_pretrained_and_from_pretrained_restore_the_quantized_model(checkpo
         model(tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    if name == "mixtral" and recipe == "float8_delayed" and weights == "dynamic":
-        # One amax history per expert: save_model keeps them (tests/test_experts.py); save_pretrained refuses.
-        with pytest.raises(NotImplementedError, match="save_pretrained of expert stacks with delayed scaling"):
-            model.save_pretrained(tmp_path)
-        return
-    if name == "mixtral" and weights == "quantized":
-        # transformers renames Mixtral's keys as it saves them (tests/test_quantized_stacks.py saves Qwen3-MoE's and
-        # gpt-oss's stacks held quantized); save_model keeps them.
-        with pytest.raises(NotImplementedError, match="renames its experts' keys|expert stacks with delayed scaling"):
-            model.save_pretrained(tmp_path)
-        return
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files
