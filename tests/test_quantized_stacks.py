@@ -199,3 +199,29 @@ def test_fp8_export_refuses_quantized_stacks_and_writes_experts_kept_in_high_pre
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
     experts = loaded.model.layers[0].mlp.experts
     assert torch.equal(experts.gate_up_proj, model.model.layers[0].mlp.experts.gate_up_proj.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_from_pretrained_holds_the_stacks_quantized_and_save_pretrained_restores_them(family, tmp_path):
+    """QTensorConfig(weights="quantized") quantizes the stacks after loading, as quantize_ does on the
+    plain model (same bytes, same logits), and a save_pretrained directory loads back byte for byte."""
+    import transformers
+
+    from qtensor.hf import QTensorConfig
+
+    tiny_model(family).save_pretrained(tmp_path / "plain")
+    config = QTensorConfig(recipe="float8_rowwise", weights="quantized")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=config)
+    by_hand = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    qtensor.quantize_(by_hand, qtensor.recipes.float8_rowwise(), weights="quantized")
+    model.save_pretrained(tmp_path / "saved")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    stacks = [name for name, p in by_hand.named_parameters() if type(p).__name__ == "QuantizedStack"]
+    assert len(stacks) == 4
+    for other in (model, loaded):
+        for name in stacks:
+            mine, theirs = other.get_parameter(name), by_hand.get_parameter(name)
+            assert type(mine).__name__ == "QuantizedStack"
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(mine.stacked.values(), theirs.stacked.values()))
+        assert torch.equal(other(ids).logits, by_hand(ids).logits)
