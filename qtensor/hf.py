@@ -30,7 +30,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint, recipes
 from .layers import experts
-from .layers.quantized_stack import QuantizedStack, expert_keys
+from .layers.quantized_stack import QuantizedStack
+from .layers.stack_ops import expert_keys
 from .hf_export import export  # noqa: F401 (qtensor.hf.export)
 from .optim import MasterWeights
 from .quantize import WEIGHT_MODES, fill_weight, quantize_, running_state, save_running_state

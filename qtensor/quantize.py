@@ -17,7 +17,8 @@ from .recipes import Recipe
 from .core.tensor import QuantizedTensor
 from .distributed import tensor_parallel  # noqa: F401 (installs the hook that gives tensor-parallel layers their forward hooks)
 from .layers.weight import quantized_weight
-from .layers.quantized_stack import QuantizedStack, assembled_entry, expanded_entries, quantized_stack
+from .layers.quantized_stack import QuantizedStack, quantized_stack
+from .layers.stack_ops import assembled_entry, expanded_entries
 
 WEIGHT_MODES = ("dynamic", "quantized")
 

@@ -26,11 +26,10 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from ..core import ops as core_ops, tensor as core_tensor
+from ..core import tensor as core_tensor
 from ..core.quantizer import GroupedOperand
 from ..core.tensor import QuantizedTensor
 from .config import LinearQuantizers
-from .experts import reads_in_out
 from .weight import LayerWeight, quantized_weight
 
 aten = torch.ops.aten
@@ -40,6 +39,9 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     """E quantized expert matrices as one `[experts, ...]` layer weight (see the module docstring)."""
 
     quantized_at_use = False
+    # Its ops (layers/stack_ops.py fills them): handler by aten op, and the ops that make views.
+    _ops: dict = {}
+    _views: frozenset = frozenset()
     experts: tuple  # each expert's quantized weight, [out, in]
     stacked: dict  # (direction, buffer name) -> [experts, ...]: every expert's buffer, expert e's a view of row e
 
@@ -131,12 +133,12 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        handler = _OPS.get(func)
+        handler = cls._ops.get(func)
         if handler is None:
             return _on_values(func, args, kwargs)
         out = handler(func, args, kwargs)
         # A view of the stack is another stack over the same bytes: told to autograd and torch.compile as a view.
-        return return_and_correct_aliasing(func, args, kwargs, out) if func in _VIEWS and isinstance(out, QuantizedStack) else out
+        return return_and_correct_aliasing(func, args, kwargs, out) if func in cls._views and isinstance(out, QuantizedStack) else out
 
     def __deepcopy__(self, memo):
         stacked, linear = copy.deepcopy((self.stacked, self.linear_quantizers), memo)
@@ -247,34 +249,6 @@ def _rebuild_stack(stacked: dict, layout, linear, requires_grad: bool):
     return torch.nn.Parameter(stack, requires_grad=requires_grad) if requires_grad else stack
 
 
-# ---- ops --------------------------------------------------------------------------------------------
-def _alias(func, args, kwargs):
-    stack = args[0]
-    return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
-
-
-def _transpose(func, args, kwargs):
-    """`stack.transpose(-2, -1)`: a view with the matrices the other way round (which a grouped GEMM reads)."""
-    stack, a, b = args[0], args[1] % 3, args[2] % 3
-    if {a, b} != {1, 2}:
-        return _on_values(func, args, kwargs)
-    e, r, c = stack.shape
-    s0, s1, s2 = stack.stride()
-    return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=(e, c, r), stride=(s0, s2, s1))
-
-
-def _select(func, args, kwargs):
-    """`stack[e]`: expert e's quantized weight (its [out, in] matrix; a stack kept [in, out] hands the
-    same weight, which its module multiplies as `x @ w[e]`, routed as its linear)."""
-    stack, dim, index = args[0], args[1], args[2]
-    if dim % 3 != 0:
-        return _on_values(func, args, kwargs)
-    expert = stack.experts[index]
-    if reads_in_out(stack):  # the stack read as [in, out]: its expert so too
-        return StackExpert(expert)
-    return expert.with_storages(expert.rowwise, expert.columnwise)  # a new tensor over its bytes (autograd makes it a view)
-
-
 class StackExpert(LayerWeight, torch.Tensor):
     """`stack[e]` of a stack held quantized and read as `[experts, in, out]` (a module that multiplies
     `x @ w[e]`, gpt-oss's): expert e's quantized weight as its `[in, out]` matrix. The matmul runs the
@@ -310,69 +284,6 @@ class StackExpert(LayerWeight, torch.Tensor):
         return _on_values(func, args, kwargs or {})
 
 
-def _to_copy(func, args, kwargs):
-    stack = args[0]
-    if kwargs.get("dtype") is not None and not kwargs["dtype"].is_floating_point:
-        return _on_values(func, args, kwargs)
-    stacked = {}
-    for key, tensor in stack.stacked.items():  # the bytes move; a buffer both directions share stays shared
-        moved = next((stacked[k] for k in stacked if stack.stacked[k] is tensor), None)
-        stacked[key] = moved if moved is not None else tensor.to(device=kwargs.get("device", tensor.device), copy=True)
-    return _over_stacked(stacked, _template(stack), stack.linear_quantizers, shape=stack.shape, stride=stack.stride(), dtype=kwargs.get("dtype"))
-
-
-def _clone(func, args, kwargs):
-    return _to_copy(func, (args[0],), {"device": args[0].device})
-
-
-def _copy(func, args, kwargs):
-    """`stack.copy_(src)`: another stack's bytes where every expert's format and layout match, else
-    `src`'s values (a plain tensor of the stack's shape, as a master weight or a plain checkpoint
-    gives them) cast into each expert."""
-    stack, src = args[0], args[1]
-    if not isinstance(stack, QuantizedStack):  # a plain tensor receiving a stack's values
-        return stack.copy_(src.dequantize())
-    if isinstance(src, QuantizedStack):
-        if src.shape != stack.shape:
-            raise ValueError(f"{stack.linear_quantizers.parameter_name}: cannot copy a stack of shape {list(src.shape)} into {list(stack.shape)}.")
-        for mine, theirs in zip(stack.experts, src.experts):
-            mine.copy_(theirs)
-        return stack
-    if src.shape != stack.shape:
-        raise ValueError(f"{stack.linear_quantizers.parameter_name}: cannot copy values of shape {list(src.shape)} into the stack {list(stack.shape)}.")
-    stack.requantize(src)
-    return stack
-
-
-def _view(func, args, kwargs):
-    """A view of the whole stack as it is (compiled code replays the views it hands back), else refused."""
-    stack, shape = args[0], args[1]
-    if list(shape) == list(stack.shape):
-        return _alias(func, args, kwargs)
-    return _refuse_piece(func, args, kwargs)
-
-
-def _as_strided(func, args, kwargs):
-    """The stack itself or its transpose, as compiled code replays a view it hands back; else refused."""
-    stack, size, stride = args[0], list(args[1]), list(args[2])
-    (e, r, c), (s0, s1, s2) = stack.shape, stack.stride()
-    if (size, stride) == ([e, r, c], [s0, s1, s2]):
-        return _alias(func, args, kwargs)
-    if (size, stride) == ([e, c, r], [s0, s2, s1]):
-        return _transpose(func, (stack, 1, 2), {})
-    return _refuse_piece(func, args, kwargs)
-
-
-def _refuse_piece(func, args, kwargs):
-    """A piece of the stack other than one expert (FSDP2's chunks, a slice, a view): refused, since
-    its dequantized values would go on as a high-precision weight."""
-    raise NotImplementedError(
-        f"{args[0].linear_quantizers.parameter_name}: {func} of an expert stack held quantized is not built: its pieces "
-        "would be high-precision values. FSDP2 and tensor parallelism shard a stack held dynamic: quantize the model "
-        "with weights='dynamic'; stack[e] is expert e's quantized weight."
-    )
-
-
 def _on_values(func, args, kwargs):
     """Any other op: on the dequantized values, under `qtensor.fallbacks`' rule; an op that would write
     into the stack is refused."""
@@ -386,64 +297,3 @@ def _on_values(func, args, kwargs):
     core_tensor.note_fallback(func, type(args[0]).__name__ if args else "QuantizedStack")
     unwrap = lambda value: value.dequantize() if isinstance(value, (QuantizedStack, StackExpert)) else value
     return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
-
-
-_VIEWS = {aten.detach.default, aten.alias.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default, aten.as_strided.default}
-_OPS = {
-    aten.detach.default: _alias,
-    aten.alias.default: _alias,
-    aten.transpose.int: _transpose,
-    aten.select.int: _select,
-    aten._to_copy.default: _to_copy,
-    aten.clone.default: _clone,
-    aten.copy_.default: _copy,
-    aten.view.default: _view,
-    aten.as_strided.default: _as_strided,
-    aten._unsafe_view.default: _view,
-    **dict.fromkeys(
-        (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor, aten.narrow.default,
-         aten.new_zeros.default,
-         aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default),
-        _refuse_piece,
-    ),
-}
-
-
-# ---- state_dict: one entry per expert ------------------------------------------------------------
-def expert_keys(prefix: str, attribute: str, count: int) -> list[str]:
-    """The state_dict keys of a stack's experts: `expert_weights.<attribute>.<e>` in its module (not
-    under `<attribute>.`, whose keys transformers converts as the stack's own when it saves)."""
-    return [f"{prefix}expert_weights.{attribute}.{expert}" for expert in range(count)]
-
-
-def expanded_entries(state_dict: dict, prefix: str, attribute: str) -> None:
-    """Replace a stack's entry by its experts' quantized weights (`expert_keys`), in place and in order."""
-    key = prefix + attribute
-    stack = state_dict[key]
-    items = list(state_dict.items())
-    state_dict.clear()
-    for name, value in items:
-        if name != key:
-            state_dict[name] = value
-            continue
-        state_dict.update(zip(expert_keys(prefix, attribute, len(stack.experts)), stack.experts))
-
-
-def assembled_entry(state_dict: dict, prefix: str, attribute: str, stack: QuantizedStack) -> None:
-    """Before a load: the experts' entries of a stack (as `expanded_entries` wrote them) taken out and
-    put back as one entry for the stack, which its `copy_` restores byte for byte. A plain entry for
-    the stack (a dynamic model's, a plain checkpoint's) stays: `copy_` casts it."""
-    names = expert_keys(prefix, attribute, len(stack.experts))
-    if prefix + attribute in state_dict or not all(name in state_dict for name in names):
-        return
-    experts = [state_dict.pop(name) for name in names]
-    for name, mine, theirs in zip(names, stack.experts, experts):
-        if not isinstance(theirs, QuantizedTensor) or not core_ops.byte_compatible(mine, theirs):
-            got = f"{type(theirs).__name__} {list(theirs.shape)}" + (f" from {theirs.quantizer!r}" if isinstance(theirs, QuantizedTensor) else "")
-            raise ValueError(
-                f"{name}: the model's expert holds {type(mine).data_class.__name__} {list(mine.shape)} from "
-                f"{mine.quantizer!r}, the entry {got}. Quantize the model with the recipe it was saved with."
-            )
-        # An expert's saved quantizer state (delayed scaling's history) travels inside its entry.
-        mine.quantizer.load_state_buffers(theirs.quantizer.state_buffers(), f"{name}.quantizer.")
-    state_dict[prefix + attribute] = _over_stacked(_stacked(experts), experts[0], stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
