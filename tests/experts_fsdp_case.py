@@ -14,9 +14,13 @@ from torch import nn
 import qtensor
 from workers import worker_main
 
-RECIPES = {  # name: (recipe, micro-batches a step); float8_rowwise casts every group at once
-    "float8_current": ("float8_current", 1), "float8_rowwise": ("float8_rowwise", 1), "mxfp8": ("mxfp8", 1),
-    "nvfp4": ("nvfp4", 1), "float8_delayed": ("float8_delayed", 1), "float8_delayed, 2 micro-batches": ("float8_delayed", 2),
+RECIPES = {  # name: (recipe, micro-batches a step, weights); float8_rowwise casts every group at once
+    "float8_current": ("float8_current", 1, "dynamic"), "float8_rowwise": ("float8_rowwise", 1, "dynamic"),
+    "mxfp8": ("mxfp8", 1, "dynamic"), "nvfp4": ("nvfp4", 1, "dynamic"), "float8_delayed": ("float8_delayed", 1, "dynamic"),
+    "float8_delayed, 2 micro-batches": ("float8_delayed", 2, "dynamic"),
+    # stacks held quantized: shards of whole experts, gathered as their low-precision bytes
+    "float8_current, quantized": ("float8_current", 1, "quantized"), "float8_rowwise, quantized": ("float8_rowwise", 1, "quantized"),
+    "mxfp8, quantized": ("mxfp8", 2, "quantized"),
 }
 
 
@@ -34,6 +38,8 @@ class Experts(nn.Module):
 def train(model, steps=3, micro_batches=1):
     torch.manual_seed(1)  # NVFP4's stochastic rounding draws from the seed: the same draws for both runs
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if any(type(getattr(p, "_local_tensor", p)).__name__ == "QuantizedStack" for p in model.parameters()):
+        optimizer = qtensor.optim.MasterWeights(optimizer)
     generator = torch.Generator().manual_seed(5)
     offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32)
     losses = []
@@ -57,24 +63,38 @@ def histories(model):
     return found
 
 
+def dist_gather(local):
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, local.contiguous())
+    return pieces
+
+
 def run(out):
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
     results = {}
-    for name, (recipe, micro_batches) in RECIPES.items():
+    for name, (recipe, micro_batches, weights) in RECIPES.items():
         torch.manual_seed(0)
         plain = Experts()
         single, sharded = copy.deepcopy(plain), copy.deepcopy(plain)
         for model in (single, sharded):
-            qtensor.quantize_(model, getattr(qtensor.recipes, recipe)())
+            qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights)
         fully_shard(sharded)
+        unsharded = {}  # what FSDP2's gather made, as the forward sees it
+        sharded.register_forward_pre_hook(lambda module, args: unsharded.update(
+            {n: (type(p).__name__, sorted({str(t.dtype) for t in getattr(p, "stacked", {}).values()})) for n, p in module.named_parameters()}
+        ))
         single_losses, sharded_losses = train(single, micro_batches=micro_batches), train(sharded, micro_batches=micro_batches)
-        gathered = {name: p.full_tensor().detach().clone() for name, p in sharded.named_parameters()}
+        if weights == "quantized":  # the stacks' values after the steps, each expert as its bytes give it
+            gathered = {name: torch.cat(dist_gather(p.to_local().dequantize())) for name, p in sharded.named_parameters()}
+            expected = {name: p.dequantize() for name, p in single.named_parameters()}
+        else:
+            gathered = {name: p.full_tensor().detach().clone() for name, p in sharded.named_parameters()}
+            expected = {name: p.detach().plain().clone() for name, p in single.named_parameters()}
         results[name] = dict(
-            single=single_losses, sharded=sharded_losses, gathered=gathered,
-            expected={name: p.detach().plain().clone() for name, p in single.named_parameters()},
-            types={name: type(p._local_tensor).__name__ for name, p in sharded.named_parameters()},
+            single=single_losses, sharded=sharded_losses, gathered=gathered, expected=expected,
+            types={name: type(p._local_tensor).__name__ for name, p in sharded.named_parameters()}, unsharded=unsharded,
             histories=(histories(single), histories(sharded)),
         )
     if dist.get_rank() == 0:

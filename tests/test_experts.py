@@ -514,7 +514,9 @@ def gemm_within(actual, a, b, relative=1e-3):
 def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
     """FSDP2 over 2 gloo ranks shards a dynamic stack along its experts and gathers its values for
     each use (a gather of the stack's high-precision values: its casts, one per expert, run on the
-    gathered stack); three steps of each recipe end where one process ends. With delayed scaling
+    gathered stack), and a stack held quantized as whole experts, gathered as their codes and scales
+    (MasterWeights casting each expert of a shard on its own); three steps of each recipe end where
+    one process ends. With delayed scaling
     every expert's amax histories end equal too, also with two micro-batches a step: a gather of new
     values (after an optimizer step) counts as a write of the gathered stack, whose casts and weight
     amaxes are then made again, and a gather of the same values (the next micro-batch) does not."""
@@ -530,7 +532,10 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
         assert bool(single_histories) == recipe.startswith("float8_delayed"), recipe
         for name, history in single_histories.items():
             assert torch.equal(sharded_histories[name], history), (recipe, name)
-        assert set(result["types"].values()) == {"DynamicWeight"}, recipe
+        assert set(result["types"].values()) == {"QuantizedStack" if recipe.endswith("quantized") else "DynamicWeight"}, recipe
+        if recipe.endswith("quantized"):  # gathered as the experts' codes and scales, never their values
+            for kind, dtypes in result["unsharded"].values():
+                assert kind == "QuantizedStack" and any("float8" in d for d in dtypes) and "torch.bfloat16" not in dtypes, (recipe, dtypes)
         np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5, err_msg=recipe)
         for name, expected in result["expected"].items():
             gathered = result["gathered"][name]

@@ -133,10 +133,19 @@ def test_copies_of_a_stack_held_quantized_own_their_bytes():
 def test_what_a_stack_held_quantized_refuses_says_what_to_do():
     module, _ = held_quantized("float8")
     stack = module.weight_stack
-    with pytest.raises(NotImplementedError, match="FSDP2 and tensor parallelism shard a stack held dynamic"):
-        torch.chunk(stack.detach(), 2, dim=0)  # what FSDP2 does to a parameter
-    with pytest.raises(NotImplementedError, match="FSDP2 and tensor parallelism shard a stack held dynamic"):
-        stack.detach()[1:3]
+    # Whole experts are pieces of it (FSDP2's shards): views of their bytes, still quantized.
+    first, second = torch.chunk(stack.detach(), 2, dim=0)
+    assert type(second).__name__ == "QuantizedStack" and second.shape == (2, N, K)
+    assert second.experts[0].rowwise.data.data_ptr() == stack.experts[2].rowwise.data.data_ptr()
+    assert torch.equal(stack.detach()[1:3].dequantize(), stack.dequantize()[1:3])
+    with pytest.raises(NotImplementedError, match="tensor parallelism shards a stack held dynamic"):
+        stack.detach()[:, :8]  # a slice of each matrix
+    with pytest.raises(NotImplementedError, match="tensor parallelism shards a stack held dynamic"):
+        stack.detach().reshape(E * N, K)
+    delayed = Stack()
+    qtensor.quantize_(delayed, qtensor.recipes.float8_delayed(), weights="quantized")
+    with pytest.raises(NotImplementedError, match="whose experts keep running state .delayed scaling. is not built"):
+        torch.chunk(delayed.weight_stack.detach(), 2, dim=0)  # FSDP2's shards
     with pytest.raises(NotImplementedError, match="would write into an expert stack held quantized"):
         with torch.no_grad():
             stack.add_(1.0)

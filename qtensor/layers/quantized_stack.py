@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..core import tensor as core_tensor
+from ..core.numerics import sharded_cast
 from ..core.quantizer import GroupedOperand
 from ..core.tensor import QuantizedTensor
 from .config import LinearQuantizers
@@ -121,11 +122,13 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         return type(first).data_class((rows * count, first.shape[1]), first.dtype, storages["rowwise"], storages["columnwise"], first.quantizer)
 
     def requantize(self, values: torch.Tensor) -> None:
-        """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own."""
+        """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own: whole on
+        this rank even where the stack is a shard of experts (FSDP2), so no amax is reduced over ranks."""
         values = values.to(device=self.device)
         matrices = values.transpose(-2, -1) if self.stored_transposed else values  # [E, out, in]
-        for expert, matrix in zip(self.experts, matrices):
-            expert.copy_(matrix)
+        with sharded_cast((), owner="QuantizedStack.requantize"):
+            for expert, matrix in zip(self.experts, matrices):
+                expert.copy_(matrix)
 
     def __repr__(self, *, tensor_contents=None):
         return f"QuantizedStack({len(self.experts)} experts of {self.experts[0]!r}, shape={list(self.shape)})"
@@ -139,6 +142,30 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         out = handler(func, args, kwargs)
         # A view of the stack is another stack over the same bytes: told to autograd and torch.compile as a view.
         return return_and_correct_aliasing(func, args, kwargs, out) if func in cls._views and isinstance(out, QuantizedStack) else out
+
+    # ---- FSDP2: a shard of whole experts (stack_ops.py makes the pieces), gathered as its bytes ----
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if outer_size[0] % mesh.size():
+            raise NotImplementedError(
+                f"{self.linear_quantizers.parameter_name}: FSDP2 shards a stack held quantized by whole experts, evenly; "
+                f"{outer_size[0]} experts do not divide over {mesh.size()} ranks. Use a world size that divides the "
+                "experts, or weights='dynamic'."
+            )
+        owners = _owners(self.stacked)
+        sent = [key for key in self.stacked if owners[key] == key]  # each buffer once (one both directions share)
+        return tuple(self.stacked[key] for key in sent), (sent, owners, ExpertLayout.of(self.experts[0]), outer_size, outer_stride)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        sent, owners, layout, outer_size, outer_stride = metadata
+        gathered = dict(zip(sent, all_gather_outputs))
+        if out is not None:  # the gathered stack of the first gather, its buffers written again
+            for key, values in gathered.items():
+                if out.stacked[key].data_ptr() != values.data_ptr():
+                    out.stacked[key].copy_(values)
+            return None
+        stacked = {key: gathered[owner] for key, owner in owners.items()}
+        stack = _over_stacked(stacked, layout, self.linear_quantizers, shape=outer_size, stride=outer_stride, dtype=param_dtype)
+        return stack, tuple(all_gather_outputs)
 
     def __deepcopy__(self, memo):
         stacked, linear = copy.deepcopy((self.stacked, self.linear_quantizers), memo)
@@ -188,6 +215,12 @@ def _stacked(casts) -> dict:
                 buffers = torch.nn.functional.pad(buffers[:, None], (0, 16 // buffers.element_size() - 1))
             stacked[(direction, name)] = buffers
     return stacked
+
+
+def _owners(stacked: dict) -> dict:
+    """(direction, name) -> the first key holding the same tensor (a buffer both directions share)."""
+    first = {}
+    return {key: first.setdefault(id(tensor), key) for key, tensor in stacked.items()}
 
 
 def _buffer(tensor: QuantizedTensor, direction: str, name: str) -> torch.Tensor:

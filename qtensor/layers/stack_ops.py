@@ -95,13 +95,77 @@ def _as_strided(func, args, kwargs):
     return _refuse_piece(func, args, kwargs)
 
 
+# ---- FSDP2's pieces: whole experts along dim 0 -----------------------------------------------------
+def _experts(stack: QuantizedStack, start: int, end: int) -> QuantizedStack:
+    """Experts start..end of the stack as it is kept: views of their bytes."""
+    _no_expert_configs(stack)
+    views = {}
+    stacked = {key: views.setdefault(id(tensor), tensor[start:end]) for key, tensor in stack.stacked.items()}
+    return QuantizedStack(stack.experts[start:end], stacked, stack.linear_quantizers, shape=(end - start, *stack.shape[1:]), stride=stack.stride())
+
+
+def _no_expert_configs(stack: QuantizedStack) -> None:
+    if stack.linear_quantizers.experts:
+        raise NotImplementedError(
+            f"{stack.linear_quantizers.parameter_name}: FSDP2 of a stack held quantized whose experts keep running state "
+            "(delayed scaling) is not built; quantize the model with weights='dynamic', whose stacks shard with it."
+        )
+
+
+def _split(func, args, kwargs):
+    """`split` / `split_with_sizes` along the experts (FSDP2's chunks)."""
+    stack, sizes, dim = args[0], args[1], (args[2] if len(args) > 2 else kwargs.get("dim", 0))
+    if dim % 3 != 0 or not len(stack.experts):
+        return _refuse_piece(func, args, kwargs)
+    count = stack.shape[0]
+    sizes = [sizes] * -(-count // sizes) if isinstance(sizes, int) else list(sizes)
+    pieces, start = [], 0
+    for size in sizes:
+        end = min(start + size, count)
+        pieces.append(_experts(stack, start, end))
+        start = end
+    return pieces
+
+
+def _slice(func, args, kwargs):
+    """`stack[a:b]`, `narrow(0, a, n)`: a stack of those experts."""
+    stack, dim = args[0], (args[1] if len(args) > 1 else 0)
+    start, end, step = (list(args[2:5]) + [None] * 3)[:3]
+    start, end, _ = slice(start, end).indices(stack.shape[0])
+    step = 1 if step is None else step
+    if dim % 3 != 0 or step != 1 or end <= start:
+        return _refuse_piece(func, args, kwargs)
+    return _experts(stack, start, end)
+
+
+def _new_zeros(func, args, kwargs):
+    """A stack of `size[0]` experts of zero codes (FSDP2's padded shard, which the local experts' bytes fill)."""
+    stack, size = args[0], list(args[1])
+    _no_expert_configs(stack)
+    if size[1:] != list(stack.shape[1:]):
+        return _refuse_piece(func, args, kwargs)
+    views = {}
+    stacked = {
+        key: views.setdefault(id(tensor), tensor.new_zeros((size[0], *tensor.shape[1:]))) for key, tensor in stack.stacked.items()
+    }
+    return _over_stacked(stacked, _template(stack), stack.linear_quantizers, shape=size)
+
+
+def _flat(func, args, kwargs):
+    """`view(-1)`: FSDP2 keeps its padded shard so, to compare storages; the stack itself stands for it."""
+    stack, shape = args[0], list(args[1])
+    if shape == [-1]:
+        return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
+    return _view(func, args, kwargs)
+
+
 def _refuse_piece(func, args, kwargs):
-    """A piece of the stack other than one expert (FSDP2's chunks, a slice, a view): refused, since
-    its dequantized values would go on as a high-precision weight."""
+    """A piece of the stack other than whole experts (a slice of each matrix, a reshaping view):
+    refused, since its dequantized values would go on as a high-precision weight."""
     raise NotImplementedError(
         f"{args[0].linear_quantizers.parameter_name}: {func} of an expert stack held quantized is not built: its pieces "
-        "would be high-precision values. FSDP2 and tensor parallelism shard a stack held dynamic: quantize the model "
-        "with weights='dynamic'; stack[e] is expert e's quantized weight."
+        "would be high-precision values. A stack held quantized splits into whole experts (stack[a:b], FSDP2's shards); "
+        "tensor parallelism shards a stack held dynamic: quantize the model with weights='dynamic'."
     )
 
 
@@ -114,13 +178,15 @@ QuantizedStack._ops = {
     aten._to_copy.default: _to_copy,
     aten.clone.default: _clone,
     aten.copy_.default: _copy,
-    aten.view.default: _view,
+    aten.view.default: _flat,
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.slice.Tensor: _slice,
+    aten.new_zeros.default: _new_zeros,
     aten.as_strided.default: _as_strided,
     aten._unsafe_view.default: _view,
     **dict.fromkeys(
-        (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor, aten.narrow.default,
-         aten.new_zeros.default,
-         aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default),
+        (aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default),
         _refuse_piece,
     ),
 }
