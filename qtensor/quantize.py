@@ -18,7 +18,7 @@ from .core.tensor import QuantizedTensor
 from .distributed import tensor_parallel  # noqa: F401 (installs the hook that gives tensor-parallel layers their forward hooks)
 from .layers.weight import quantized_weight
 from .layers.quantized_stack import QuantizedStack, quantized_stack
-from .layers.stack_ops import assembled_entry, expanded_entries
+from .layers.stack_ops import assembled_entry, expanded_entries, state_entry
 
 WEIGHT_MODES = ("dynamic", "quantized")
 
@@ -368,23 +368,10 @@ def running_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def plain_weight(value: torch.Tensor) -> torch.Tensor:
-    """A dynamic weight's values as a plain tensor (sharded: a DTensor of plain shards), so that
-    safetensors, save_pretrained and torch.distributed.checkpoint see an ordinary tensor."""
-    if isinstance(value, DynamicWeight):
-        return value.plain()
-    local = getattr(value, "_local_tensor", None)
-    if isinstance(local, DynamicWeight):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local.plain(), value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
-    return value
-
-
 def _save_layer_state(module, state_dict, prefix, local_metadata) -> None:
     for attribute in module._qtensor_layers:
         if prefix + attribute in state_dict:
-            state_dict[prefix + attribute] = _load_target(plain_weight(state_dict[prefix + attribute]))
+            state_dict[prefix + attribute] = _load_target(state_entry(state_dict[prefix + attribute]))
             if isinstance(state_dict[prefix + attribute], QuantizedStack):  # one entry per expert
                 expanded_entries(state_dict, prefix, attribute)
     if not module.__dict__.get("_qtensor_running_state_saved", True):

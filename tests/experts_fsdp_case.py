@@ -86,7 +86,12 @@ def run(out):
             {n: (type(p).__name__, sorted({str(t.dtype) for t in getattr(p, "stacked", {}).values()})) for n, p in module.named_parameters()}
         ))
         single_losses, sharded_losses = train(single, micro_batches=micro_batches), train(sharded, micro_batches=micro_batches)
+        refusal = None
         if weights == "quantized":  # the stacks' values after the steps, each expert as its bytes give it
+            try:
+                sharded.state_dict()
+            except NotImplementedError as error:
+                refusal = str(error)
             gathered = {name: torch.cat(dist_gather(p.to_local().dequantize())) for name, p in sharded.named_parameters()}
             expected = {name: p.dequantize() for name, p in single.named_parameters()}
         else:
@@ -95,6 +100,7 @@ def run(out):
         results[name] = dict(
             single=single_losses, sharded=sharded_losses, gathered=gathered, expected=expected,
             types={name: type(p._local_tensor).__name__ for name, p in sharded.named_parameters()}, unsharded=unsharded,
+            refusal=refusal,
             histories=(histories(single), histories(sharded)),
         )
     if dist.get_rank() == 0:

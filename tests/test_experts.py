@@ -536,6 +536,8 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
         if recipe.endswith("quantized"):  # gathered as the experts' codes and scales, never their values
             for kind, dtypes in result["unsharded"].values():
                 assert kind == "QuantizedStack" and any("float8" in d for d in dtypes) and "torch.bfloat16" not in dtypes, (recipe, dtypes)
+            # Not built yet, and said: the state_dict of a sharded stack held quantized.
+            assert "held quantized and sharded by FSDP2 is not built" in result["refusal"], recipe
         np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5, err_msg=recipe)
         for name, expected in result["expected"].items():
             gathered = result["gathered"][name]

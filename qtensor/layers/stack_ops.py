@@ -9,6 +9,7 @@ import torch
 
 from ..core import ops as core_ops
 from ..core.tensor import QuantizedTensor
+from .dynamic_weight import DynamicWeight
 from .experts import reads_in_out
 from .quantized_stack import QuantizedStack, StackExpert, _on_values, _over_stacked, _stacked, _template
 
@@ -190,6 +191,28 @@ QuantizedStack._ops = {
         _refuse_piece,
     ),
 }
+
+
+def state_entry(value: torch.Tensor) -> torch.Tensor:
+    """A layer weight's `state_dict` entry: a dynamic weight's values as a plain tensor (sharded: a
+    DTensor of plain shards), so that safetensors, save_pretrained and torch.distributed.checkpoint
+    see an ordinary tensor; a quantized weight or stack as it is (a stack is then expanded into its
+    experts' entries). A sharded stack held quantized is refused: its experts' entries are not built
+    for shards."""
+    if isinstance(value, DynamicWeight):
+        return value.plain()
+    local = getattr(value, "_local_tensor", None)
+    if isinstance(local, DynamicWeight):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local.plain(), value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+    if isinstance(local, QuantizedStack):
+        raise NotImplementedError(
+            f"{local.linear_quantizers.parameter_name}: the state_dict of an expert stack held quantized and sharded by "
+            "FSDP2 is not built (its entries are whole experts). Save the model before sharding it, or quantize it with "
+            "weights='dynamic', whose sharded stacks save and load."
+        )
+    return value
 
 
 # ---- state_dict: one entry per expert ------------------------------------------------------------
