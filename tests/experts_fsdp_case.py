@@ -101,7 +101,7 @@ def run(out):
             single=single_losses, sharded=sharded_losses, gathered=gathered, expected=expected,
             types={name: type(p._local_tensor).__name__ for name, p in sharded.named_parameters()}, unsharded=unsharded,
             refusal=refusal,
-            histories=(histories(single), histories(sharded)),
+            histories=(histories(single), histories(sharded)) if weights == "dynamic" else ({}, {}),
         )
     if dist.get_rank() == 0:
         torch.save(results, out)
