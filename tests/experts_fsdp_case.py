@@ -1,5 +1,5 @@
-"""A worker of tests/test_experts.py: an MoE experts layer sharded by FSDP2 (2 gloo ranks) trains as
-one process on the same data. Rank 0 saves, per recipe, the losses, the gathered stacks and delayed
+"""A worker of tests/test_experts.py: an MoE experts layer sharded by FSDP2 (2 gloo ranks; with
+QTENSOR_TEST_DEVICE=cuda, NCCL and one GPU a rank) trains as one process on the same data. Rank 0 saves, per recipe, the losses, the gathered stacks and delayed
 scaling's per-expert amax histories after the steps, sharded and not; delayed scaling also with two
 micro-batches a step (gradient accumulation)."""
 
@@ -13,6 +13,8 @@ from torch import nn
 
 import qtensor
 from workers import worker_main
+
+DEVICE = os.environ.get("QTENSOR_TEST_DEVICE", "cpu")
 
 RECIPES = {  # name: (recipe, micro-batches a step, weights); float8_rowwise casts every group at once
     "float8_current": ("float8_current", 1, "dynamic"), "float8_rowwise": ("float8_rowwise", 1, "dynamic"),
@@ -41,11 +43,12 @@ def train(model, steps=3, micro_batches=1):
     if any(type(getattr(p, "_local_tensor", p)).__name__ == "QuantizedStack" for p in model.parameters()):
         optimizer = qtensor.optim.MasterWeights(optimizer)
     generator = torch.Generator().manual_seed(5)
-    offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32)
+    device = next(model.parameters()).device
+    offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32, device=device)
     losses = []
     for _ in range(steps):
         for _ in range(micro_batches):
-            x = torch.randn(64, 32, generator=generator)
+            x = torch.randn(64, 32, generator=generator).to(device)
             loss = model(x, offs).square().mean()
             loss.backward()
             losses.append(loss.item())
@@ -72,11 +75,14 @@ def dist_gather(local):
 def run(out):
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    device = torch.device(DEVICE, dist.get_rank()) if DEVICE == "cuda" else torch.device("cpu")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(device)
     results = {}
     for name, (recipe, micro_batches, weights) in RECIPES.items():
         torch.manual_seed(0)
-        plain = Experts()
+        plain = Experts().to(device)
         single, sharded = copy.deepcopy(plain), copy.deepcopy(plain)
         for model in (single, sharded):
             qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights)
@@ -104,7 +110,10 @@ def run(out):
             histories=(histories(single), histories(sharded)) if weights == "dynamic" else ({}, {}),
         )
     if dist.get_rank() == 0:
-        torch.save(results, out)
+        to_cpu = lambda value: value.cpu() if isinstance(value, torch.Tensor) else value
+        from torch.utils._pytree import tree_map
+
+        torch.save(tree_map(to_cpu, results), out)
     dist.barrier()
 
 
