@@ -70,7 +70,7 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
     user = _user_metadata(metadata)
     filename = os.fspath(filename)
     max_bytes = _parse_size(max_shard_size) if max_shard_size is not None else None  # on every rank, first
-    if any(hasattr(value, "_local_tensor") for value in entries.values()):
+    if any(hasattr(value, "_local_tensor") for value in (*entries.values(), *model.parameters())):
         # A sharded (FSDP2) model: every rank gathers the whole tensors (quantized ones as their
         # low-precision bytes), rank 0 writes, and every rank returns once the files exist.
         import torch.distributed as dist

@@ -18,7 +18,7 @@ from .core.tensor import QuantizedTensor
 from .distributed import tensor_parallel  # noqa: F401 (installs the hook that gives tensor-parallel layers their forward hooks)
 from .layers.weight import quantized_weight
 from .layers.quantized_stack import QuantizedStack, quantized_stack
-from .layers.stack_ops import assembled_entry, expanded_entries, state_entry
+from .layers.stack_ops import assembled_entry, expanded_entries, is_stack, state_entry
 
 WEIGHT_MODES = ("dynamic", "quantized")
 
@@ -372,7 +372,7 @@ def _save_layer_state(module, state_dict, prefix, local_metadata) -> None:
     for attribute in module._qtensor_layers:
         if prefix + attribute in state_dict:
             state_dict[prefix + attribute] = _load_target(state_entry(state_dict[prefix + attribute]))
-            if isinstance(state_dict[prefix + attribute], QuantizedStack):  # one entry per expert
+            if is_stack(state_dict[prefix + attribute]):  # one entry per expert
                 expanded_entries(state_dict, prefix, attribute)
     if not module.__dict__.get("_qtensor_running_state_saved", True):
         return
@@ -404,7 +404,7 @@ def _load_running_state(module, state_dict, prefix, local_metadata, strict, miss
             target.copy_(source)
     for attribute, (linear, _) in module._qtensor_layers.items():
         weight, key = getattr(module, attribute), prefix + attribute
-        if isinstance(weight, QuantizedStack):
+        if is_stack(weight):
             assembled_entry(state_dict, prefix, attribute, weight)
         entry = state_dict.get(key)
         if not isinstance(weight, QuantizedTensor):
@@ -423,7 +423,7 @@ def _reinstall_after_load(module: nn.Module, incompatible_keys) -> None:
         weight = getattr(module, attribute)
         if isinstance(weight, QuantizedTensor) and not carries_quantizers(weight):
             setattr(module, attribute, nn.Parameter(quantized_weight(weight.detach(), linear), requires_grad=weight.requires_grad))
-        elif not carries_quantizers(weight):
+        elif not carries_quantizers(getattr(weight, "_local_tensor", weight)):  # sharded: its local shard carries them
             _install_weight(module, attribute, linear, weights)
 
 

@@ -11,7 +11,7 @@ from ..core import ops as core_ops
 from ..core.tensor import QuantizedTensor
 from .dynamic_weight import DynamicWeight
 from .experts import reads_in_out
-from .quantized_stack import QuantizedStack, StackExpert, _on_values, _over_stacked, _stacked, _template
+from .quantized_stack import QuantizedStack, StackExpert, _on_values, _over_stacked, _owners, _stacked, _template
 
 aten = torch.ops.aten
 
@@ -196,9 +196,9 @@ QuantizedStack._ops = {
 def state_entry(value: torch.Tensor) -> torch.Tensor:
     """A layer weight's `state_dict` entry: a dynamic weight's values as a plain tensor (sharded: a
     DTensor of plain shards), so that safetensors, save_pretrained and torch.distributed.checkpoint
-    see an ordinary tensor; a quantized weight or stack as it is (a stack is then expanded into its
-    experts' entries). A sharded stack held quantized is refused: its experts' entries are not built
-    for shards."""
+    see an ordinary tensor; a quantized weight or stack as it is, a stack sharded by FSDP2 gathered
+    whole (a collective: every rank builds the state_dict), each then expanded into its experts'
+    entries."""
     if isinstance(value, DynamicWeight):
         return value.plain()
     local = getattr(value, "_local_tensor", None)
@@ -206,13 +206,45 @@ def state_entry(value: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(local.plain(), value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
-    if isinstance(local, QuantizedStack):
-        raise NotImplementedError(
-            f"{local.linear_quantizers.parameter_name}: the state_dict of an expert stack held quantized and sharded by "
-            "FSDP2 is not built (its entries are whole experts). Save the model before sharding it, or quantize it with "
-            "weights='dynamic', whose sharded stacks save and load."
-        )
+    if isinstance(local, QuantizedStack):  # sharded by experts (FSDP2): the whole stack, gathered as its bytes
+        return _gathered(value)
     return value
+
+
+def _sharding(value) -> tuple:
+    """(process group, this rank's first expert) of a DTensor over a shard of whole experts."""
+    from torch.distributed.tensor import Shard
+
+    local = value._local_tensor
+    if tuple(value.placements) != (Shard(0),):
+        raise NotImplementedError(
+            f"{local.linear_quantizers.parameter_name}: a stack held quantized saves and loads sharded by FSDP2 along its "
+            f"experts over one mesh dimension (Shard(0)); this one is placed {tuple(value.placements)}."
+        )
+    group = value.device_mesh.get_group()
+    return group, torch.distributed.get_rank(group) * local.shape[0]
+
+
+def _gathered(value) -> QuantizedStack:
+    """The whole stack behind a DTensor over a shard of whole experts, on every rank: every buffer's
+    experts all-gathered as they are (codes and scales), as a gather for the forward sends them."""
+    local = value._local_tensor
+    group, _ = _sharding(value)
+    owners, stacked = _owners(local.stacked), {}
+    for key, owner in owners.items():
+        if owner == key:  # as bytes (gloo takes no FP8 dtype)
+            piece = local.stacked[key].contiguous()
+            flat = piece.reshape(-1).view(torch.uint8)
+            out = flat.new_empty(flat.numel() * torch.distributed.get_world_size(group))
+            torch.distributed.all_gather_into_tensor(out, flat, group=group)
+            stacked[key] = out.view(piece.dtype).reshape(-1, *piece.shape[1:])
+    stacked = {key: stacked[owner] for key, owner in owners.items()}
+    return _over_stacked(stacked, _template(local), local.linear_quantizers, shape=value.shape, stride=value.stride())
+
+
+def is_stack(value) -> bool:
+    """A stack held quantized, or a DTensor over a shard of one."""
+    return isinstance(getattr(value, "_local_tensor", value), QuantizedStack)
 
 
 # ---- state_dict: one entry per expert ------------------------------------------------------------
@@ -235,15 +267,18 @@ def expanded_entries(state_dict: dict, prefix: str, attribute: str) -> None:
         state_dict.update(zip(expert_keys(prefix, attribute, len(stack.experts)), stack.experts))
 
 
-def assembled_entry(state_dict: dict, prefix: str, attribute: str, stack: QuantizedStack) -> None:
+def assembled_entry(state_dict: dict, prefix: str, attribute: str, stack) -> None:
     """Before a load: the experts' entries of a stack (as `expanded_entries` wrote them) taken out and
-    put back as one entry for the stack, which its `copy_` restores byte for byte. A plain entry for
-    the stack (a dynamic model's, a plain checkpoint's) stays: `copy_` casts it."""
-    names = expert_keys(prefix, attribute, len(stack.experts))
+    put back as one entry for the stack (a DTensor over this rank's experts where FSDP2 shards it),
+    which its `copy_` restores byte for byte. A plain entry for the stack (a dynamic model's, a plain
+    checkpoint's) stays: `copy_` casts it."""
+    sharded, stack = stack, getattr(stack, "_local_tensor", stack)  # FSDP2's DTensor over a shard of experts, or the stack
+    names = expert_keys(prefix, attribute, sharded.shape[0])
     if prefix + attribute in state_dict or not all(name in state_dict for name in names):
         return
     experts = [state_dict.pop(name) for name in names]
-    for name, mine, theirs in zip(names, stack.experts, experts):
+    mine_all = stack.experts if sharded is stack else [stack.experts[0]] * len(experts)  # a shard's experts share one layout
+    for name, mine, theirs in zip(names, mine_all, experts):
         if not isinstance(theirs, QuantizedTensor) or not core_ops.byte_compatible(mine, theirs):
             got = f"{type(theirs).__name__} {list(theirs.shape)}" + (f" from {theirs.quantizer!r}" if isinstance(theirs, QuantizedTensor) else "")
             raise ValueError(
@@ -252,4 +287,11 @@ def assembled_entry(state_dict: dict, prefix: str, attribute: str, stack: Quanti
             )
         # An expert's saved quantizer state (delayed scaling's history) travels inside its entry.
         mine.quantizer.load_state_buffers(theirs.quantizer.state_buffers(), f"{name}.quantizer.")
-    state_dict[prefix + attribute] = _over_stacked(_stacked(experts), experts[0], stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
+    whole = _over_stacked(_stacked(experts), experts[0], stack.linear_quantizers, shape=sharded.shape, stride=sharded.stride())
+    if sharded is not stack:  # this rank's experts, placed as the parameter is
+        from torch.distributed.tensor import DTensor
+
+        _, first = _sharding(sharded)
+        local = _experts(whole, first, first + stack.shape[0]).to(stack.device)
+        whole = DTensor.from_local(local, sharded.device_mesh, sharded.placements, run_check=False, shape=sharded.shape, stride=sharded.stride())
+    state_dict[prefix + attribute] = whole
