@@ -395,6 +395,12 @@ def tiny_config(family, layers=2):
         return transformers.Qwen3MoeConfig(**common, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
     if family == "mixtral":
         return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    if family == "deepseek_v3":  # multi-head latent attention, a shared expert, the first block dense
+        return transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 2, "head_dim": 8}, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        )
     return transformers.GptOssConfig(
         **common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * layers
     )
@@ -403,13 +409,16 @@ def tiny_config(family, layers=2):
 def tiny_model(family, layers=2):
     import transformers
 
-    classes = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+    classes = {
+        "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+    }
     torch.manual_seed(0)
     return getattr(transformers, classes[family])(tiny_config(family, layers))
 
 
 @pytest.mark.parametrize("recipe", ["float8_current", "mxfp8_fwd_nvfp4_bwd"])  # per-tensor FP8; MXFP8 + NVFP4 blocks
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_a_hugging_face_moe_trains_its_experts_quantized_with_every_implementation(family, recipe):
     """The three experts implementations of transformers give one forward (each expert's rows cast as
     one group whatever their order: the forward's casts are per row or per tensor), and the experts'
