@@ -167,16 +167,17 @@ def test_one_expert_of_a_stack_is_a_quantized_linear_of_its_own(case, weights):
     assert not module.weight_stack.grad[[0, 2, 3]].any()
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("frozen", ["nothing", "stack", "input"])
 @pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
-def test_the_grouped_gemm_equals_each_experts_dense_quantized_linear(override, frozen):
+def test_the_grouped_gemm_equals_each_experts_dense_quantized_linear(override, frozen, weights):
     """The grouped GEMM (one autograd Function over the stack) gives, group by group, what each
     expert's own quantized linear gives (F.linear on that expert's matrix, the dense layer the
     oracle tests check), for every backward override and with the stack or the input frozen."""
     results = []
     for grouped in (True, False):
         module = Stack()
-        qtensor.quantize_(module, qtensor.Recipe(factory_for("hybrid"), backward_override=override))
+        qtensor.quantize_(module, qtensor.Recipe(factory_for("hybrid"), backward_override=override), weights=weights)
         module.weight_stack.requires_grad_(frozen != "stack")
         x = varied(ROWS, K, seed=2).requires_grad_(frozen != "input")
         if grouped:
