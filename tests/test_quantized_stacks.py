@@ -47,6 +47,8 @@ def test_each_expert_is_cast_on_its_own_and_only_low_precision_bytes_are_kept(ca
     assert all(buffer.dtype != torch.float32 or buffer[0].numel() <= N * K // 16 for buffer in stack.stacked.values())
     for (direction, name), buffer in stack.stacked.items():  # each expert's bytes are row e of the stacked buffers
         assert all(getattr(expert, direction).buffers[name].data_ptr() == buffer[e].data_ptr() for e, expert in enumerate(stack.experts))
+    view = stack.detach().transpose(-2, -1)  # the other way round: its values too
+    assert torch.equal(view.dequantize(), stack.dequantize().transpose(-2, -1))
     qtensor.dequantize_(module)  # plain values, as the module keeps them
     assert type(module.weight_stack) is nn.Parameter and module.weight_stack.shape == stack.shape
     for e, matrix in enumerate(original):

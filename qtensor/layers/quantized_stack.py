@@ -14,8 +14,9 @@ A model multiplies the stack as it would a dynamic one (experts.py, routing.py):
 expert e's quantized weight, a grouped or batched GEMM runs each group through its expert. The
 optimizer trains it through `qtensor.optim.MasterWeights`, whose step writes the masters back with
 `copy_` (each expert cast again). Its `state_dict` entries are the experts' quantized weights,
-`<stack>.<e>` each (`expanded_entries`), so files store and check each expert's format as a dense
-quantized weight's.
+`expert_weights.<stack>.<e>` in its module (stack_ops.py), so files store and check each expert's
+format as a dense quantized weight's. FSDP2 shards it into whole experts and gathers their bytes
+as they are (`fsdp_pre_all_gather` / `fsdp_post_all_gather`).
 """
 
 from __future__ import annotations
@@ -72,14 +73,11 @@ class QuantizedStack(LayerWeight, torch.Tensor):
             return self.stacked[key]
         return super()._data_attribute(name)
 
-    def expert_config(self, expert: int) -> LinearQuantizers:
-        linear = self.linear_quantizers
-        return linear.experts[expert] if linear.experts else linear
-
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stack's values as a plain tensor of its shape (each expert's rowwise copy dequantized)."""
         values = torch.stack([expert.dequantize(dtype or self.dtype) for expert in self.experts])  # [E, out, in]
-        return values if self.stride(-1) == 1 and not self.stored_transposed else values.transpose(-2, -1).contiguous()
+        swapped = self.stride(-1) != 1 and self.stride(-2) == 1  # a transposed view of the stack as kept
+        return values.transpose(-2, -1).contiguous() if self.stored_transposed != swapped else values
 
     def high_precision_matrix(self) -> torch.Tensor:
         return self.dequantize()
