@@ -236,3 +236,24 @@ def test_from_pretrained_holds_the_stacks_quantized_and_save_pretrained_restores
             assert type(mine).__name__ == "QuantizedStack"
             assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(mine.stacked.values(), theirs.stacked.values()))
         assert torch.equal(other(ids).logits, by_hand(ids).logits)
+
+
+@pytest.mark.parametrize("case", ["float8", "float8_rowwise", "mxfp8"])
+def test_torch_distributed_checkpoint_saves_and_loads_a_stack_held_quantized(case, tmp_path):
+    """torch.distributed.checkpoint (in one process) writes the experts' entries and fills another
+    model's in place: the loaded stack multiplies as the saved one."""
+    import torch.distributed.checkpoint as dcp
+
+    module, _ = held_quantized(case)
+    other, _ = held_quantized(case, seed=9)
+    x = varied(ROWS, K, seed=2)
+    dcp.save(module.state_dict(), checkpoint_id=tmp_path)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path)
+    other.load_state_dict(state)
+    for mine, theirs in zip(other.weight_stack.experts, module.weight_stack.experts):
+        assert all(
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            for a, b in zip(mine.buffer_dict().values(), theirs.buffer_dict().values())
+        )
+    assert torch.equal(GROUPED(other, x), GROUPED(module, x))
