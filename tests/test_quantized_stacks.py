@@ -24,6 +24,17 @@ GROUPED = lambda m, x: torch._grouped_mm(x, m.weight_stack.transpose(-2, -1) if 
                                          offs=torch.tensor(ENDS, dtype=torch.int32))
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def same_experts(mine, theirs) -> bool:
+    """Every buffer of two stacks' experts holds the same bytes."""
+    return all(
+        same_bytes(a, b) for x, y in zip(mine.experts, theirs.experts) for a, b in zip(x.buffer_dict().values(), y.buffer_dict().values())
+    )
+
+
 def held_quantized(case, transposed=False, seed=1):
     module = Stack(transposed, seed=seed)
     original = [module.matrix(e) for e in range(E)]
@@ -84,7 +95,7 @@ def test_master_weights_train_the_stacks_and_each_step_casts_every_expert_from_i
             fresh = quantizer.quantize(matrix, rowwise=True, columnwise=True)
             for direction in ("rowwise", "columnwise"):
                 mine, theirs = getattr(expert, direction).buffers, getattr(fresh, direction).buffers
-                assert all(torch.equal(mine[name].view(torch.uint8), theirs[name].view(torch.uint8)) for name in theirs)
+                assert all(same_bytes(mine[name], theirs[name]) for name in theirs)
 
 
 def test_a_stack_held_quantized_saves_and_loads_byte_for_byte_expert_by_expert(tmp_path):
@@ -96,15 +107,14 @@ def test_a_stack_held_quantized_saves_and_loads_byte_for_byte_expert_by_expert(t
     x = varied(ROWS, K, seed=2)
     assert not torch.equal(GROUPED(other, x), GROUPED(module, x))
     qtensor.load_model(other, tmp_path / "experts.safetensors")
-    for mine, theirs in zip(other.weight_stack.experts, module.weight_stack.experts):
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(mine.buffer_dict().values(), theirs.buffer_dict().values()))
+    assert same_experts(other.weight_stack, module.weight_stack)
     assert torch.equal(GROUPED(other, x), GROUPED(module, x))
     # Into a model quantized otherwise: refused before anything is written, naming the expert.
     different, _ = held_quantized("float8")
     before = copy.deepcopy(different.weight_stack)
     with pytest.raises(ValueError, match=r"expert_weights\.weight_stack\.0: the model holds"):
         qtensor.load_model(different, tmp_path / "experts.safetensors")
-    assert torch.equal(different.weight_stack.experts[2].rowwise.data.view(torch.uint8), before.experts[2].rowwise.data.view(torch.uint8))
+    assert same_experts(different.weight_stack, before)
     # A plain stack (a dynamic model's entry, a plain checkpoint's) loads by casting each expert.
     plain = Stack(seed=5)
     module.load_state_dict(plain.state_dict())
@@ -123,8 +133,7 @@ def test_copies_of_a_stack_held_quantized_own_their_bytes():
     unpickled = torch.load(stream, weights_only=False)
     as_bf16 = copy.deepcopy(module).to(torch.bfloat16)  # the nominal dtype changes, not the bytes
     assert as_bf16.weight_stack.dtype == torch.bfloat16 and type(as_bf16.weight_stack).__name__ == "QuantizedStack"
-    for mine, theirs in zip(as_bf16.weight_stack.experts, module.weight_stack.experts):
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(mine.buffer_dict().values(), theirs.buffer_dict().values()))
+    assert same_experts(as_bf16.weight_stack, module.weight_stack)
     assert GROUPED(as_bf16, x.bfloat16()).dtype == torch.bfloat16
     with torch.no_grad():
         module.weight_stack.copy_(torch.zeros(E, N, K))  # the original changes; the copies do not
@@ -234,7 +243,7 @@ def test_from_pretrained_holds_the_stacks_quantized_and_save_pretrained_restores
         for name in stacks:
             mine, theirs = other.get_parameter(name), by_hand.get_parameter(name)
             assert type(mine).__name__ == "QuantizedStack"
-            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(mine.stacked.values(), theirs.stacked.values()))
+            assert same_experts(mine, theirs)
         assert torch.equal(other(ids).logits, by_hand(ids).logits)
 
 
@@ -251,9 +260,5 @@ def test_torch_distributed_checkpoint_saves_and_loads_a_stack_held_quantized(cas
     state = other.state_dict()
     dcp.load(state, checkpoint_id=tmp_path)
     other.load_state_dict(state)
-    for mine, theirs in zip(other.weight_stack.experts, module.weight_stack.experts):
-        assert all(
-            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-            for a, b in zip(mine.buffer_dict().values(), theirs.buffer_dict().values())
-        )
+    assert same_experts(other.weight_stack, module.weight_stack)
     assert torch.equal(GROUPED(other, x), GROUPED(module, x))

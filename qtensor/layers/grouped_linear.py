@@ -177,7 +177,8 @@ class PaddedGroupsFunction(torch.autograd.Function):
             values = stack.plain()
             weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
             w_q = _quantize(linear.weight, weights.reshape(experts * n, k), rowwise=True, columnwise=input_needs_grad)
-        else:  # the experts' casts, both directions, as one [E·N, K] tensor over the stack's bytes
+        else:  # the experts' casts, both directions, as one [E·N, K] tensor over the stack's bytes (a format
+            # of these blocks has no tensor-wide scale, and N is whole blocks: `_pads_groups`)
             w_q = stack.joined()
         out_dtype = _output_dtype(x, stack)
         y = gemm.grouped.values_nt(
@@ -276,7 +277,6 @@ def _pads_groups(linear: LinearQuantizers, stack, in_out: bool):
     blocks = {quantizer.group_block_rows() if quantizer is not None else None for quantizer in roles}
     out_features = stack.shape[-1] if in_out else stack.shape[-2]
     takes = linear.backward_override is None and len(blocks) == 1 and None not in blocks and out_features % blocks.pop() == 0
-    takes = takes and (stack.quantized_at_use or stack.joined() is not None)  # a stack held quantized: its experts as one tensor
     # With few experts, each large, group by group is faster (it casts each group's two copies from
     # one read; measured on an H100 at Mixtral-like shapes, 8 experts: 0.87x bf16 against 0.80x).
     return PaddedGroupsFunction if takes and stack.shape[0] > FEW_EXPERTS else None

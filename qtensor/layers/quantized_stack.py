@@ -221,6 +221,13 @@ def _owners(stacked: dict) -> dict:
     return {key: first.setdefault(id(tensor), key) for key, tensor in stacked.items()}
 
 
+def map_stacked(stacked: dict, fn) -> dict:
+    """`fn` of every stacked buffer, once each: a buffer both directions share stays one tensor."""
+    owners = _owners(stacked)
+    done = {key: fn(stacked[key]) for key, owner in owners.items() if owner == key}
+    return {key: done[owner] for key, owner in owners.items()}
+
+
 def _buffer(tensor: QuantizedTensor, direction: str, name: str) -> torch.Tensor:
     return getattr(tensor, direction).buffers[name]
 

@@ -11,7 +11,7 @@ from ..core import ops as core_ops
 from ..core.tensor import QuantizedTensor
 from .dynamic_weight import DynamicWeight
 from .experts import reads_in_out
-from .quantized_stack import QuantizedStack, StackExpert, _on_values, _over_stacked, _owners, _stacked, _template
+from .quantized_stack import QuantizedStack, StackExpert, _on_values, _over_stacked, _stacked, _template, map_stacked
 
 aten = torch.ops.aten
 
@@ -47,10 +47,7 @@ def _to_copy(func, args, kwargs):
     stack = args[0]
     if kwargs.get("dtype") is not None and not kwargs["dtype"].is_floating_point:
         return _on_values(func, args, kwargs)
-    stacked = {}
-    for key, tensor in stack.stacked.items():  # the bytes move; a buffer both directions share stays shared
-        moved = next((stacked[k] for k in stacked if stack.stacked[k] is tensor), None)
-        stacked[key] = moved if moved is not None else tensor.to(device=kwargs.get("device", tensor.device), copy=True)
+    stacked = map_stacked(stack.stacked, lambda tensor: tensor.to(device=kwargs.get("device", tensor.device), copy=True))
     return _over_stacked(stacked, _template(stack), stack.linear_quantizers, shape=stack.shape, stride=stack.stride(), dtype=kwargs.get("dtype"))
 
 
@@ -78,9 +75,11 @@ def _copy(func, args, kwargs):
 
 
 def _view(func, args, kwargs):
-    """A view of the whole stack as it is (compiled code replays the views it hands back), else refused."""
-    stack, shape = args[0], args[1]
-    if list(shape) == list(stack.shape):
+    """A view of the whole stack as it is (compiled code replays the views it hands back), or
+    `view(-1)` (FSDP2 keeps its padded shard so, to compare storages: the stack stands for it); else
+    refused."""
+    stack, shape = args[0], list(args[1])
+    if shape in ([-1], list(stack.shape)):
         return _alias(func, args, kwargs)
     return _refuse_piece(func, args, kwargs)
 
@@ -100,8 +99,7 @@ def _as_strided(func, args, kwargs):
 def _experts(stack: QuantizedStack, start: int, end: int) -> QuantizedStack:
     """Experts start..end of the stack as it is kept: views of their bytes."""
     _no_expert_configs(stack)
-    views = {}
-    stacked = {key: views.setdefault(id(tensor), tensor[start:end]) for key, tensor in stack.stacked.items()}
+    stacked = map_stacked(stack.stacked, lambda tensor: tensor[start:end])
     return QuantizedStack(stack.experts[start:end], stacked, stack.linear_quantizers, shape=(end - start, *stack.shape[1:]), stride=stack.stride())
 
 
@@ -145,19 +143,8 @@ def _new_zeros(func, args, kwargs):
     _no_expert_configs(stack)
     if size[1:] != list(stack.shape[1:]):
         return _refuse_piece(func, args, kwargs)
-    views = {}
-    stacked = {
-        key: views.setdefault(id(tensor), tensor.new_zeros((size[0], *tensor.shape[1:]))) for key, tensor in stack.stacked.items()
-    }
+    stacked = map_stacked(stack.stacked, lambda tensor: tensor.new_zeros((size[0], *tensor.shape[1:])))
     return _over_stacked(stacked, _template(stack), stack.linear_quantizers, shape=size)
-
-
-def _flat(func, args, kwargs):
-    """`view(-1)`: FSDP2 keeps its padded shard so, to compare storages; the stack itself stands for it."""
-    stack, shape = args[0], list(args[1])
-    if shape == [-1]:
-        return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
-    return _view(func, args, kwargs)
 
 
 def _refuse_piece(func, args, kwargs):
@@ -179,7 +166,7 @@ QuantizedStack._ops = {
     aten._to_copy.default: _to_copy,
     aten.clone.default: _clone,
     aten.copy_.default: _copy,
-    aten.view.default: _flat,
+    aten.view.default: _view,
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
     aten.slice.Tensor: _slice,
@@ -230,15 +217,14 @@ def _gathered(value) -> QuantizedStack:
     experts all-gathered as they are (codes and scales), as a gather for the forward sends them."""
     local = value._local_tensor
     group, _ = _sharding(value)
-    owners, stacked = _owners(local.stacked), {}
-    for key, owner in owners.items():
-        if owner == key:  # as bytes (gloo takes no FP8 dtype)
-            piece = local.stacked[key].contiguous()
-            flat = piece.reshape(-1).view(torch.uint8)
-            out = flat.new_empty(flat.numel() * torch.distributed.get_world_size(group))
-            torch.distributed.all_gather_into_tensor(out, flat, group=group)
-            stacked[key] = out.view(piece.dtype).reshape(-1, *piece.shape[1:])
-    stacked = {key: stacked[owner] for key, owner in owners.items()}
+
+    def gathered(piece):  # as bytes (gloo takes no FP8 dtype)
+        flat = piece.contiguous().reshape(-1).view(torch.uint8)
+        out = flat.new_empty(flat.numel() * torch.distributed.get_world_size(group))
+        torch.distributed.all_gather_into_tensor(out, flat, group=group)
+        return out.view(piece.dtype).reshape(-1, *piece.shape[1:])
+
+    stacked = map_stacked(local.stacked, gathered)
     return _over_stacked(stacked, _template(local), local.linear_quantizers, shape=value.shape, stride=value.stride())
 
 
