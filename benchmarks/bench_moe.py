@@ -12,7 +12,9 @@ casts, as autocast gives a linear). Shapes:
 
 groups balanced (equal sizes, multiples of 16). "torchao rowwise" (where importable) runs torchao's
 `_to_fp8_rowwise_then_scaled_grouped_mm` for both GEMMs; "<recipe> quantized" holds the stacks in low
-precision (`weights="quantized"`: each expert's two FP8 copies, no fp32 values). Prints tokens/s
+precision (`weights="quantized"`: each expert's two FP8 copies, no fp32 values); "... fast-backward" adds
+`backward_fast_accumulation=True` (dgrad and wgrad on the FP8 tensor cores' fast accumulation, as
+torchao runs them). Prints tokens/s
 (routed rows), × bf16 and peak memory per system.
 """
 
@@ -65,9 +67,11 @@ def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
     model = Experts(experts, hidden, width).cuda()
     if system == "torchao rowwise":
         model.grouped_mm = torchao_grouped_mm()
-    elif system != "bf16":  # "<recipe>" quantizes at use from the fp32 stacks; "<recipe> quantized" holds them in low precision
-        recipe, _, weights = system.partition(" ")
-        qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights or "dynamic")
+    elif system != "bf16":  # "<recipe>" quantizes at use from the fp32 stacks; "<recipe> quantized" holds them in low precision;
+        # "... fast-backward" runs dgrad and wgrad with fast accumulation too (as torchao does)
+        recipe, *words = system.split()
+        chosen = qtensor.Recipe(getattr(qtensor.recipes, recipe)(), backward_fast_accumulation="fast-backward" in words)
+        qtensor.quantize_(model, chosen, weights="quantized" if "quantized" in words else "dynamic")
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
     grad = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -126,18 +130,18 @@ def main() -> None:
         return
     systems = args.systems.split(",") if args.systems else ["bf16", *(["torchao rowwise"] if torchao_grouped_mm() else []), *RECIPES]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; forward+backward of one experts layer, median of {args.steps} steps")
-    print(f"{'shape':<8} {'system':<24} {'rows/s':>12} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
+    print(f"{'shape':<8} {'system':<38} {'rows/s':>12} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
     for shape in args.shapes.split(","):
         base = None
         for system in systems:
             try:
                 row = measure(system, shape, args.steps, args.profile)
             except Exception as error:  # one system's failure is a row
-                print(f"{shape:<8} {system:<24} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
+                print(f"{shape:<8} {system:<38} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
                 continue
             base = base or (row["tokens_per_s"] if system == "bf16" else None)
             ratio = f"{row['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
-            print(f"{shape:<8} {system:<24} {row['tokens_per_s']:>12,.0f} {row['ms']:>9.2f} {ratio} {row['peak_gib']:>9.2f}", flush=True)
+            print(f"{shape:<8} {system:<38} {row['tokens_per_s']:>12,.0f} {row['ms']:>9.2f} {ratio} {row['peak_gib']:>9.2f}", flush=True)
             torch.cuda.empty_cache()
 
 

@@ -184,6 +184,7 @@ def quantize_(
                 **quantizers,
                 backward_override=recipe.backward_override,
                 fprop_fast_accumulation=recipe.fprop_fast_accumulation,
+                backward_fast_accumulation=recipe.backward_fast_accumulation,
                 name=site.layer,
                 parameter="" if site.attribute == "weight" else site.parameter,
                 transposed=site.transposed,

@@ -46,11 +46,16 @@ class Recipe:
     dequantized forward-quantized input and weight and the unquantized gradient.
 
     `fprop_fast_accumulation` runs the forward GEMM with the FP8 tensor cores' fast accumulation
-    where it runs on them (the backward GEMMs never do); None takes the factory's own choice (its
-    `fprop_fast_accumulation` attribute: on for the ready Float8 recipes), else off.
+    where it runs on them; None takes the factory's own choice (its `fprop_fast_accumulation`
+    attribute: on for the ready Float8 recipes), else off. `backward_fast_accumulation=True` runs
+    dgrad and wgrad with it too (off by default: the backward keeps the split fp32 accumulator,
+    whose error bound is 4x tighter, docs/numerics.md).
     """
 
-    def __init__(self, factory: Factory, backward_override: str | None = None, fprop_fast_accumulation: bool | None = None):
+    def __init__(
+        self, factory: Factory, backward_override: str | None = None, fprop_fast_accumulation: bool | None = None,
+        backward_fast_accumulation: bool = False,
+    ):
         if not callable(factory):
             raise TypeError(f"Recipe needs a callable factory(role) -> Quantizer | None, got {factory!r}.")
         if not _takes_one_argument(factory):
@@ -64,9 +69,12 @@ class Recipe:
             fprop_fast_accumulation = getattr(factory, "fprop_fast_accumulation", False)
         if not isinstance(fprop_fast_accumulation, bool):
             raise ValueError(f"Recipe: fprop_fast_accumulation must be True, False or None, got {fprop_fast_accumulation!r}.")
+        if not isinstance(backward_fast_accumulation, bool):
+            raise ValueError(f"Recipe: backward_fast_accumulation must be True or False, got {backward_fast_accumulation!r}.")
         self.factory = factory
         self.backward_override = backward_override
         self.fprop_fast_accumulation = fprop_fast_accumulation
+        self.backward_fast_accumulation = backward_fast_accumulation
 
     def quantizers_for(self, module_type: str, name: str) -> dict[str, Quantizer | None]:
         """Ask the factory for each tensor type of one module; check what it returns."""
@@ -93,7 +101,7 @@ class Recipe:
     def __repr__(self) -> str:
         return (
             f"Recipe({self.factory!r}, backward_override={self.backward_override!r}, "
-            f"fprop_fast_accumulation={self.fprop_fast_accumulation!r})"
+            f"fprop_fast_accumulation={self.fprop_fast_accumulation!r}, backward_fast_accumulation={self.backward_fast_accumulation!r})"
         )
 
 

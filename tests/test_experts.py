@@ -514,6 +514,34 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights):
     assert not y[ends[-1]:].any() and not x_grad[ends[-1]:].any()
 
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights):
+    """`Recipe(..., backward_fast_accumulation=True)` on a row-wise Float8 stack: all three grouped
+    GEMMs launch with fast accumulation, and each stays within its bound (2**-7 of |A|·|B|, plus the
+    bf16 output's rounding) of the oracle's product."""
+    experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
+    module = nn.Module()
+    module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(torch.bfloat16))
+    w = [module.weight_stack[e].detach().float().numpy() for e in range(experts)]
+    qtensor.quantize_(module, qtensor.Recipe(factory_for("float8_rowwise"), backward_fast_accumulation=True), weights=weights)
+    module.cuda()
+    x, grad = varied(ends[-1], k, seed=2).to(torch.bfloat16), varied(ends[-1], n, seed=3).to(torch.bfloat16)
+    call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
+    with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches:
+        y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
+    assert [c.kwargs["use_fast_accum"] for c in launches.call_args_list] == [False, True, True]  # fprop: the factory's own choice
+    deq = CASES["float8_rowwise"][1]
+    for expert, (start, end) in enumerate(zip([0, *ends], ends)):
+        if end == start:
+            continue
+        xe, ge = x[start:end].float().numpy(), grad[start:end].float().numpy()
+        gemm_within(x_grad[start:end], deq["grad_output"](ge, "rowwise"), deq["weight"](w[expert], "columnwise"), relative=1e-2)
+        gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"), relative=1e-2)
+
+
 def gemm_within(actual, a, b, relative=1e-3):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     error = np.abs(actual.detach().double().numpy() - a @ b)

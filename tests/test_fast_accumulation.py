@@ -1,5 +1,6 @@
-"""Fast accumulation reaches the forward GEMM only: the Float8 recipes ask for it in fprop by default,
-dgrad and wgrad never do, and a recipe or `qtensor.Recipe` turns it off.
+"""Fast accumulation reaches the forward GEMM by default: the Float8 recipes ask for it in fprop,
+dgrad and wgrad only where `qtensor.Recipe(..., backward_fast_accumulation=True)` opts in, and a
+recipe or `qtensor.Recipe` turns fprop's off.
 
 The FP8 tensor-core GEMM is replaced here by a recorder that computes the product in float64 from the
 codes and scales it is given, so the test runs on the CPU and checks what reaches `torch._scaled_mm`.
@@ -92,3 +93,13 @@ def test_the_report_and_the_recipe_say_so():
     assert not qtensor.recipes.mxfp8().fprop_fast_accumulation
     with pytest.raises(ValueError, match="fprop_fast_accumulation must be True, False or None"):
         qtensor.Recipe(qtensor.recipes.float8_current(), fprop_fast_accumulation="yes")
+
+
+def test_backward_fast_accumulation_is_opt_in_and_reaches_dgrad_and_wgrad():
+    recipe = qtensor.Recipe(qtensor.recipes.float8_current(), backward_fast_accumulation=True)
+    forward, backward, layer, _, _ = gemm_calls(recipe)
+    assert forward == [True] and backward == [True, True]
+    assert "backward fast accumulation" in layer.weight.linear_quantizers.describe()
+    assert not qtensor.Recipe(qtensor.recipes.float8_current()).backward_fast_accumulation
+    with pytest.raises(ValueError, match="backward_fast_accumulation must be True or False"):
+        qtensor.Recipe(qtensor.recipes.float8_current(), backward_fast_accumulation=None)

@@ -22,11 +22,11 @@ def fprop(x: torch.Tensor, weight: torch.Tensor, bias=None, out_dtype=torch.floa
     return product_nt(x, "rowwise", weight, "rowwise", bias, out_dtype, fast_accumulation)
 
 
-def dgrad(grad_output: torch.Tensor, weight: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
-    """dX [M, K] = dY [M, N] · W [N, K], in `out_dtype`."""
-    return product_nt(grad_output, "rowwise", weight, "columnwise", None, out_dtype)
+def dgrad(grad_output: torch.Tensor, weight: torch.Tensor, out_dtype=torch.float32, *, fast_accumulation: bool = False) -> torch.Tensor:
+    """dX [M, K] = dY [M, N] · W [N, K], in `out_dtype` (`fast_accumulation` as in fprop)."""
+    return product_nt(grad_output, "rowwise", weight, "columnwise", None, out_dtype, fast_accumulation)
 
 
-def wgrad(grad_output: torch.Tensor, x: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
-    """dW [N, K] = dY [M, N]ᵀ · X [M, K], in `out_dtype`."""
-    return product_nt(grad_output, "columnwise", x, "columnwise", None, out_dtype)
+def wgrad(grad_output: torch.Tensor, x: torch.Tensor, out_dtype=torch.float32, *, fast_accumulation: bool = False) -> torch.Tensor:
+    """dW [N, K] = dY [M, N]ᵀ · X [M, K], in `out_dtype` (`fast_accumulation` as in fprop)."""
+    return product_nt(grad_output, "columnwise", x, "columnwise", None, out_dtype, fast_accumulation)

@@ -20,16 +20,16 @@ def fprop(out: torch.Tensor, groups, operands, *, fast_accumulation: bool = Fals
         out[start:end] = dense.fprop(x, weight, None, out.dtype, fast_accumulation=fast_accumulation)
 
 
-def dgrad(out: torch.Tensor, groups, operands) -> None:
+def dgrad(out: torch.Tensor, groups, operands, *, fast_accumulation: bool = False) -> None:
     """out[rows of g] = dY_g · W_e for each group and its operands (dY_g, W_e)."""
     for (_, start, end), (grad, weight) in zip(groups, operands):
-        out[start:end] = dense.dgrad(grad, weight, out.dtype)
+        out[start:end] = dense.dgrad(grad, weight, out.dtype, fast_accumulation=fast_accumulation)
 
 
-def wgrad(out: torch.Tensor, groups, operands) -> None:
+def wgrad(out: torch.Tensor, groups, operands, *, fast_accumulation: bool = False) -> None:
     """out[e] = dY_gᵀ · X_g ([out_features, in_features]) for each group."""
     for (expert, _, _), (grad, x) in zip(groups, operands):
-        out[expert] = dense.wgrad(grad, x, out.dtype)
+        out[expert] = dense.wgrad(grad, x, out.dtype, fast_accumulation=fast_accumulation)
 
 
 # ---- FP8 codes with per-row factors (formats/float8_groups.py), every group in one launch ---------

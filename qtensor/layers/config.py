@@ -68,9 +68,11 @@ class LinearQuantizers:
     # as [out_features, in_features], the layout every GEMM of the layer reads.
     transposed: bool = False
     # fprop on the FP8 tensor cores with their fast accumulation (partial sums kept in the tensor
-    # cores' reduced-precision accumulator over all of K); dgrad and wgrad always keep the split
-    # fp32 accumulator. Only the FP8 tensor-core GEMM reads it (docs/design.md, The three GEMMs).
+    # cores' reduced-precision accumulator over all of K); dgrad and wgrad keep the split fp32
+    # accumulator unless `backward_fast_accumulation`. Only the FP8 tensor-core GEMMs read them
+    # (docs/design.md, The three GEMMs).
     fprop_fast_accumulation: bool = False
+    backward_fast_accumulation: bool = False
     running: LayerRunning = field(default_factory=LayerRunning, compare=False, hash=False, repr=False)
     # An expert stack whose quantizers keep running state: each expert's own configuration (its own
     # quantizers, histories and running bookkeeping), which its matrix and its rows are cast with;
@@ -110,6 +112,8 @@ class LinearQuantizers:
             parts.append(f"backward={self.backward_override}")
         if self.fprop_fast_accumulation:
             parts.append("fprop fast accumulation")
+        if self.backward_fast_accumulation:
+            parts.append("backward fast accumulation")
         return ", ".join(parts)
 
     def layers(self) -> tuple:

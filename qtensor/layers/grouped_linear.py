@@ -88,14 +88,14 @@ class GroupedLinearFunction(torch.autograd.Function):
         grad_x = grad_stack = None
         if input_needs_grad:
             grad_x = torch.zeros(x_shape, dtype=x_dtype, device=grad_out.device)
-            gemm.grouped.dgrad(grad_x, groups, list(zip(grads, saved_w)))
+            gemm.grouped.dgrad(grad_x, groups, list(zip(grads, saved_w)), fast_accumulation=linear.backward_fast_accumulation)
         if weight_needs_grad:
             # Each expert's [out, in] product written whole; a stack read as [in, out] gets the transposed
             # view of it (no strided copy: autograd hands a transposed view's base the [out, in] tensor).
             experts, *matrix = stack_shape
             out_in = matrix[::-1] if ctx.in_out else matrix
             grad_stack = torch.zeros((experts, *out_in), dtype=stack_dtype, device=grad_out.device)
-            gemm.grouped.wgrad(grad_stack, groups, list(zip(grads, saved_x)))
+            gemm.grouped.wgrad(grad_stack, groups, list(zip(grads, saved_x)), fast_accumulation=linear.backward_fast_accumulation)
             grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
         return grad_x, grad_stack, None, None, None, None
 
@@ -137,14 +137,17 @@ class GroupedFloat8Function(torch.autograd.Function):
         total = sum(groups.lengths)
         g_row, g_col = linear.grad_output.quantize_groups(grad_out[:total], groups, input_needs_grad, weight_needs_grad)
         grad_x = grad_stack = None
+        fast = linear.backward_fast_accumulation
         if input_needs_grad:
             w_col = GroupedOperand(w_data, w_scale_inv)
             tensor_scaled = _tensor_scaled(linear.grad_output, linear.weight)
-            grad_x = _rows_past_end_zero(gemm.grouped.scaled_nt(g_row, w_col, x_dtype, tensor_scaled=tensor_scaled), x_shape[0])
+            grad_x = gemm.grouped.scaled_nt(g_row, w_col, x_dtype, tensor_scaled=tensor_scaled, fast_accumulation=fast)
+            grad_x = _rows_past_end_zero(grad_x, x_shape[0])
         if weight_needs_grad:
             x_col = GroupedOperand(x_data, x_scale_inv, ctx.x_groups, padded=True)
             tensor_scaled = _tensor_scaled(linear.grad_output, linear.input)
-            grad_stack = gemm.grouped.scaled_nt(g_col, x_col, wgrad_dtype, tensor_scaled=tensor_scaled).to(stack_dtype)  # [experts, out, in]
+            grad_stack = gemm.grouped.scaled_nt(g_col, x_col, wgrad_dtype, tensor_scaled=tensor_scaled, fast_accumulation=fast)
+            grad_stack = grad_stack.to(stack_dtype)  # [experts, out, in]
             grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
         return grad_x, grad_stack, None, None, None, None
 

@@ -232,10 +232,11 @@ class QuantizedLinearFunction(torch.autograd.Function):
             # The step's amaxes, the forward's and the gradient's, reduced over the data-parallel group.
             running_state.write(ctx.amax_notes + notes, linear.running.group())
 
+        fast = linear.backward_fast_accumulation
         if input_needs_grad:
-            grad_x = gemm.dgrad(grad_q, saved_w, grads.x_dtype).reshape(grads.x_shape)
+            grad_x = gemm.dgrad(grad_q, saved_w, grads.x_dtype, fast_accumulation=fast).reshape(grads.x_shape)
         if weight_needs_grad:
-            grad_weight = gemm.wgrad(grad_q, saved_x, grads.weight_dtype)
+            grad_weight = gemm.wgrad(grad_q, saved_x, grads.weight_dtype, fast_accumulation=fast)
             if grads.weight_transposed:  # the parameter keeps Conv1D's [in, out] layout
                 grad_weight = grad_weight.t()
         if ctx.needs_input_grad[2]:
