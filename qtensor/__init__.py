@@ -26,6 +26,11 @@ from .core import kernels as _kernels  # noqa: E402
 # The Triton kernels register themselves into the core's table at its first CUDA lookup.
 _kernels.set_loader(qtensor_kernels.register)
 
+from .hf_registration import register_with_transformers  # noqa: E402
+
+# transformers loads a qtensor checkpoint (quant_method "qtensor") after `import qtensor` alone.
+register_with_transformers()
+
 __all__ = [
     "DynamicWeight",
     "LinearQuantizers",

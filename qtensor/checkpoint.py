@@ -3,7 +3,9 @@
 A file is a plain safetensors file. A quantized tensor saved under `key` becomes the ordinary named
 tensors `key.<buffer>` of its buffer contract (`QuantizedTensor.to_buffers`), and its description
 (format, shape, logical dtype, directions, quantizer configuration) is JSON under the `qtensor` entry
-of the header's `__metadata__`. docs/checkpoint-format.md specifies the layout.
+of the header's `__metadata__`, with a model's tied names and its quantized layers' configurations
+(checkpoint_layers.py), which `load_model` compares with the model's. docs/checkpoint-format.md
+specifies the layout.
 
 Loading parses and checks the whole header before reading a byte of data: every name, dtype, shape
 and byte range, and every metadata field against the formats' declared layouts. Nothing is
@@ -15,15 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
-import struct
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from . import checkpoint_layers
+from .checkpoint_files import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, read_header, read_index  # noqa: F401 (public here too)
 from .layers.dynamic_weight import DynamicWeight
 from .distributed.fsdp import full_tensor
 from .core.plan import TensorPlan
@@ -31,22 +33,12 @@ from .core.tensor import QuantizedTensor, own_bytes
 
 FORMAT_VERSION = 1
 METADATA_KEY = "qtensor"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-
-# safetensors dtype codes this library reads: name -> (torch dtype, bytes per element)
-SAFETENSORS_DTYPES = {
-    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2), "I8": (torch.int8, 1),
-    "U64": (torch.uint64, 8), "U32": (torch.uint32, 4), "U16": (torch.uint16, 2), "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1), "F8_E8M0": (torch.float8_e8m0fnu, 1),
-}
 
 
 # ---- tensors ------------------------------------------------------------------------------------
 def save_file(tensors: dict[str, torch.Tensor], filename, metadata: dict[str, str] | None = None) -> None:
     """Write `tensors` to a safetensors file, quantized tensors as their low-precision buffers."""
-    _write(tensors, filename, _user_metadata(metadata), tied={})
+    _write(tensors, filename, _user_metadata(metadata), {})
 
 
 def load_file(filename, device="cpu") -> dict[str, torch.Tensor]:
@@ -66,35 +58,35 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
     shards `<stem>-00001-of-0000N.safetensors` next to `filename`, plus `<filename>.index.json`
     mapping every stored tensor to its shard (one shard: a single file, as Hugging Face does).
     """
-    entries, tied = _entries(model)
+    entries, model_fields = _entries(model)
     user = _user_metadata(metadata)
     filename = os.fspath(filename)
     max_bytes = _parse_size(max_shard_size) if max_shard_size is not None else None  # on every rank, first
-    if any(hasattr(value, "_local_tensor") for value in (*entries.values(), *model.parameters())):
+    if _sharded(model, entries):
         # A sharded (FSDP2) model: every rank gathers the whole tensors (quantized ones as their
         # low-precision bytes), rank 0 writes, and every rank returns once the files exist.
         import torch.distributed as dist
 
         entries = {key: full_tensor(value, key) for key, value in entries.items()}
         if dist.get_rank() == 0:
-            _save_entries(entries, filename, user, tied, max_bytes)
+            _save_entries(entries, filename, user, model_fields, max_bytes)
         dist.barrier()
         return
-    _save_entries(entries, filename, user, tied, max_bytes)
+    _save_entries(entries, filename, user, model_fields, max_bytes)
 
 
-def _save_entries(entries: dict, filename: str, user: dict, tied: dict, max_bytes: int | None) -> None:
+def _save_entries(entries: dict, filename: str, user: dict, model_fields: dict, max_bytes: int | None) -> None:
     shards = _plan_shards(entries, max_bytes) if max_bytes is not None else [list(entries)]
     directory, base = os.path.split(filename)
     if len(shards) == 1:
-        _write(entries, filename, user, tied)
+        _write(entries, filename, user, model_fields)
         _remove_stale_files(filename, keep={base})
         return
     stem = base.removesuffix(".safetensors")
     weight_map, total = {}, 0
     for index, keys in enumerate(shards, start=1):
         shard_name = f"{stem}-{index:05d}-of-{len(shards):05d}.safetensors"
-        stored = _write({key: entries[key] for key in keys}, os.path.join(directory, shard_name), user, tied)
+        stored = _write({key: entries[key] for key in keys}, os.path.join(directory, shard_name), user, model_fields)
         total += sum(_nbytes(t) for t in stored.values())
         weight_map.update({name: shard_name for name in stored})
     with open(filename + ".index.json", "w") as index_file:
@@ -129,11 +121,17 @@ def _load_read(model: nn.Module, read: _Read, strict: bool, source: str, keys=No
     expected = {key: value for key, value in model.state_dict().items() if keys is None or key in keys}
     missing = [key for key in expected if key not in loaded]
     unexpected = [key for key in loaded if key not in expected and key not in read.tied]
+    # Everything is checked before anything is written: the quantized entries, then the layers'
+    # configurations the file records (the whole model's), then the keys and the plain entries.
+    both = [key for key in expected if key in loaded]
+    quantized = lambda key: isinstance(expected[key], QuantizedTensor) or isinstance(loaded[key], QuantizedTensor)
+    for key in filter(quantized, both):
+        _check_loadable(key, expected[key], loaded[key])
+    checkpoint_layers.check(model, read.layers, source)
     if strict and (missing or unexpected):
         raise ValueError(f"{source}: missing keys {missing}, unexpected keys {unexpected}; nothing was loaded.")
-    for key in expected:
-        if key in loaded:
-            _check_loadable(key, expected[key], loaded[key])
+    for key in both:
+        _check_loadable(key, expected[key], loaded[key])
     model.load_state_dict({key: loaded[key] for key in expected if key in loaded}, strict=False)
     return missing, unexpected
 
@@ -142,24 +140,48 @@ def state_for_writer(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
     """`model.state_dict()` as the plain tensors a file stores (tied weights once, quantized tensors
     as their buffers) and the safetensors metadata that describes them all, for a writer that shards
     them itself and writes the same metadata into every shard (`transformers`' `save_pretrained`);
-    `load_model_files` reads them back."""
-    entries, tied = _entries(model)
-    if any(hasattr(value, "_local_tensor") for value in entries.values()):
-        raise NotImplementedError("state_for_writer: the model is sharded (FSDP2 or tensor parallel); save it with qtensor.save_model.")
-    stored, described = _stored_tensors(entries)
-    return stored, {METADATA_KEY: _header(described, tied)}
+    `load_model_files` reads them back.
+
+    A sharded model (FSDP2, tensor parallelism) is gathered as `save_model` gathers it: a collective
+    that every rank must join (every rank calls `save_pretrained`, `is_main_process` on rank 0).
+    Rank 0 gets the whole tensors, on the CPU; the other ranks an empty dict, as
+    `get_model_state_dict(full_state_dict=True, cpu_offload=True)` gives them."""
+    entries, model_fields = _entries(model)
+    header = lambda described: {METADATA_KEY: _header(described, model_fields)}
+    if not _sharded(model, entries):
+        stored, described = _stored_tensors(entries)
+        return stored, header(described)
+    import torch.distributed as dist
+
+    writer = dist.get_rank() == 0
+    stored, described, seen = {}, {}, set()
+    for key, value in entries.items():  # one whole tensor at a time on the device
+        pieces, description = _stored_tensors({key: full_tensor(value, key)}, seen)
+        described.update(description)
+        if writer:
+            stored.update({name: piece.cpu() for name, piece in pieces.items()})
+    _check_namespaces(entries, described)
+    return stored, header(described)
 
 
-def _entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """`model.state_dict()` without the tied aliases, and the aliases (alias -> the name kept)."""
+def _sharded(model: nn.Module, entries: dict) -> bool:
+    return any(hasattr(value, "_local_tensor") for value in (*entries.values(), *model.parameters()))
+
+
+def _entries(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """`model.state_dict()` without the tied aliases, and what the description says of the model:
+    the aliases (`tied`: alias -> the name kept) and its quantized layers' configurations (`layers`)."""
     state = model.state_dict()
     tied = _tied_names(model, state)
-    return {key: value for key, value in state.items() if key not in tied}, tied
+    layers = checkpoint_layers.record(checkpoint_layers.model_layers(model))
+    return {key: value for key, value in state.items() if key not in tied}, {"tied": tied, "layers": layers}
 
 
-def _header(described: dict, tied: dict[str, str]) -> str:
-    """The `qtensor` metadata entry: the quantized tensors' descriptions and the tied names."""
-    return json.dumps({"version": FORMAT_VERSION, "tensors": described, **({"tied": tied} if tied else {})}, sort_keys=True)
+def _header(described: dict, model_fields: dict) -> str:
+    """The `qtensor` metadata entry: the quantized tensors' descriptions, and of a model the tied
+    names and the quantized layers' configurations (each left out when empty)."""
+    fields = {name: value for name, value in model_fields.items() if value}
+    return json.dumps({"version": FORMAT_VERSION, "tensors": described, **fields}, sort_keys=True)
 
 
 def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> None:
@@ -175,8 +197,9 @@ def _check_loadable(key: str, target: torch.Tensor, source: torch.Tensor) -> Non
                 f"{key}: the model holds {_describe(target)}, the file {_describe(source)}; load_model "
                 f"restores only the same format. {hint}."
             )
-        same = TensorPlan.of(target).data_key() == TensorPlan.of(source).data_key() and target.shape == source.shape
-        if not same or target.quantizer != source.quantizer:
+        if target.shape != source.shape:  # a model of another size, however quantized
+            raise ValueError(f"{key}: the model holds shape {list(target.shape)}, the file {list(source.shape)}.")
+        if TensorPlan.of(target).data_key() != TensorPlan.of(source).data_key() or target.quantizer != source.quantizer:
             raise ValueError(
                 f"{key}: the model holds {_describe(target)}, the file {_describe(source)}. Quantize the model "
                 "with the recipe (and weights mode) it was saved with."
@@ -217,12 +240,13 @@ def _user_metadata(metadata) -> dict[str, str]:
     return {"format": "pt", **metadata}
 
 
-def _stored_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """The named tensors a file holds for `tensors`, and the qtensor description of the quantized ones."""
+def _stored_tensors(tensors: dict[str, torch.Tensor], seen_storages: set[int] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The named tensors a file holds for `tensors`, and the qtensor description of the quantized ones
+    (`seen_storages`: those of buffers already stored, where the tensors come a few at a time)."""
     if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
         raise ValueError("save_file takes a dict mapping str to torch.Tensor.")
     stored, described = {}, {}
-    seen_storages: set[int] = set()
+    seen_storages = set() if seen_storages is None else seen_storages
     for key, value in tensors.items():
         if isinstance(value, QuantizedTensor):
             buffers, metadata = value.to_buffers()
@@ -236,18 +260,22 @@ def _stored_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
                 seen_storages.add(buffer.untyped_storage().data_ptr())
         else:
             stored[key] = value.plain().detach() if isinstance(value, DynamicWeight) else value.detach()
+    _check_namespaces(tensors, described)
+    return stored, described
+
+
+def _check_namespaces(tensors: dict, described: dict) -> None:
     for key in described:
         clash = [name for name in tensors if name.startswith(key + ".")]
         if clash:
             raise ValueError(f"{clash[0]!r} would collide with the buffers of quantized tensor {key!r} (named {key}.<buffer>). Rename one of them.")
-    return stored, described
 
 
-def _write(tensors: dict, filename, user: dict[str, str], tied: dict[str, str]) -> dict[str, torch.Tensor]:
+def _write(tensors: dict, filename, user: dict[str, str], model_fields: dict) -> dict[str, torch.Tensor]:
     from safetensors.torch import save_file as safetensors_save_file
 
     stored, described = _stored_tensors(tensors)
-    safetensors_save_file(stored, os.fspath(filename), metadata={**user, METADATA_KEY: _header(described, tied)})
+    safetensors_save_file(stored, os.fspath(filename), metadata={**user, METADATA_KEY: _header(described, model_fields)})
     return stored
 
 
@@ -304,6 +332,7 @@ def _remove_stale_files(filename: str, keep: set[str]) -> None:
 class _Read:
     tensors: dict[str, torch.Tensor]
     tied: dict[str, str]
+    layers: dict[str, dict]  # the quantized layers' configurations the files record (checkpoint_layers)
 
 
 def _read_model_files(filename: str, device) -> _Read:
@@ -314,7 +343,7 @@ def _read_model_files(filename: str, device) -> _Read:
         raise FileNotFoundError(f"Neither {filename!r} nor the shard index {index_path!r} exists.")
     weight_map = read_index(index_path)
     directory = os.path.dirname(index_path)
-    tensors, tied = {}, {}
+    tensors, tied, layers = {}, {}, {}
     for shard in sorted(set(weight_map.values())):
         read = _read(os.path.join(directory, shard), device)
         names = {name for name, file in weight_map.items() if file == shard}
@@ -323,22 +352,8 @@ def _read_model_files(filename: str, device) -> _Read:
             raise ValueError(f"{index_path}: shard {shard} holds {sorted(stored)}, the index says {sorted(names)}.")
         tensors.update(read.tensors)
         tied.update(read.tied)
-    return _Read(tensors, tied)
-
-
-def read_index(index_path: str) -> dict[str, str]:
-    """The `weight_map` of a Hugging Face-style shard index (stored name -> shard file name beside it)."""
-    try:
-        with open(index_path) as index_file:
-            weight_map = json.load(index_file)["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map must map names to shard file names")
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{index_path}: not a shard index ({error}).") from None
-    for shard in weight_map.values():
-        if os.path.basename(shard) != shard:
-            raise ValueError(f"{index_path}: shard {shard!r} is not a file name beside the index.")
-    return weight_map
+        layers.update(read.layers)
+    return _Read(tensors, tied, layers)
 
 
 def _stored_names(tensors: dict[str, torch.Tensor]) -> set[str]:
@@ -349,60 +364,6 @@ def _stored_names(tensors: dict[str, torch.Tensor]) -> set[str]:
         else:
             names.add(key)
     return names
-
-
-def read_header(filename) -> tuple[dict, dict[str, str]]:
-    """The tensor entries and `__metadata__` of a safetensors file, each entry checked against the
-    file: a known dtype, a shape, and a byte range inside the data that matches them."""
-    filename = os.fspath(filename)
-    size = os.path.getsize(filename)
-    with open(filename, "rb") as file:
-        prefix = file.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{filename}: {size} bytes is too short for a safetensors file (8-byte header length first).")
-        (header_length,) = struct.unpack("<Q", prefix)
-        if header_length > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(
-                f"{filename}: the header claims {header_length} bytes; the file has {size - 8} after the "
-                "length. It is truncated or not a safetensors file."
-            )
-        raw = file.read(header_length)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"{filename}: the header is not valid JSON ({error}); the file is corrupt.") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{filename}: the header is not a JSON object.")
-    metadata = header.pop("__metadata__", {}) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise ValueError(f"{filename}: __metadata__ must map strings to strings.")
-    data_size = size - 8 - header_length
-    ranges = []
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise ValueError(f"{filename}: {name}: expected dtype, shape and data_offsets, got {entry!r}.")
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{filename}: {name}: unsupported dtype {entry['dtype']!r}.")
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-            raise ValueError(f"{filename}: {name}: shape must be a list of sizes >= 0, got {shape!r}.")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets):
-            raise ValueError(f"{filename}: {name}: data_offsets must be two integers, got {offsets!r}.")
-        begin, end = offsets
-        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[entry["dtype"]][1]
-        if not 0 <= begin <= end or end - begin != nbytes:
-            raise ValueError(f"{filename}: {name}: data_offsets {offsets} do not hold {nbytes} bytes of {entry['dtype']} {shape}.")
-        if end > data_size:
-            raise ValueError(f"{filename}: {name}: its bytes [{begin}, {end}) run past the end of the data ({data_size} bytes); the file is truncated.")
-        ranges.append((begin, end, name))
-    position = 0
-    for begin, end, name in sorted(ranges):
-        if begin != position:
-            raise ValueError(f"{filename}: {name}: its bytes start at {begin}, not at {position}; overlapping or gapped data.")
-        position = end
-    if position != data_size:
-        raise ValueError(f"{filename}: the tensors cover {position} of {data_size} data bytes; the file is corrupt.")
-    return header, metadata
 
 
 def _read(filename, device) -> _Read:
@@ -432,7 +393,10 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
     # Group the stored names: every `key.<name>` of a quantized key belongs to it.
     groups: dict[str, dict[str, str]] = {key: {} for key in description["tensors"]}
     plain = []
-    for name in header:
+    # A placeholder (an empty tensor under a quantized weight's own name, docs/checkpoint-format.md)
+    # only stops a reader that does not know qtensor: nothing to read.
+    placeholders = set(description["placeholders"])
+    for name in (name for name in header if name not in placeholders):
         owner = next((key for key in entry_prefixes(name) if key in groups), None)
         if owner is None:
             plain.append(name)
@@ -461,7 +425,8 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
     except Exception as error:  # safetensors' own error for anything the header check let through
         raise ValueError(f"{where}: safetensors could not read it ({error}).") from None
     back = lambda name: renamed.get(name, name)
-    return _Read({back(key): value for key, value in tensors.items()}, {back(a): back(b) for a, b in description["tied"].items()})
+    tied = {back(a): back(b) for a, b in description["tied"].items()}
+    return _Read({back(key): value for key, value in tensors.items()}, tied, description["layers"])
 
 
 def entry_prefixes(name: str):
@@ -476,7 +441,7 @@ def _meta_tensor(entry: dict, device) -> torch.Tensor:
 
 def parse_description(filename: str, metadata: dict[str, str]) -> dict:
     if METADATA_KEY not in metadata:
-        return {"tensors": {}, "tied": {}, "names": {}}
+        return {"tensors": {}, "tied": {}, "names": {}, "layers": {}, "placeholders": []}
     try:
         description = json.loads(metadata[METADATA_KEY])
     except ValueError as error:
@@ -487,9 +452,17 @@ def parse_description(filename: str, metadata: dict[str, str]) -> dict:
             f"got {str(description)[:200]}."
         )
     tensors, tied, names = description.get("tensors"), description.get("tied", {}), description.get("names", {})
-    unknown = set(description) - {"version", "tensors", "tied", "names"}
+    placeholders = description.get("placeholders", [])
+    unknown = set(description) - {"version", "tensors", "tied", "names", "layers", "placeholders"}
     if unknown or not isinstance(tensors, dict) or not isinstance(tied, dict) or not isinstance(names, dict):
-        raise ValueError(f"{filename}: __metadata__[{METADATA_KEY!r}] holds version, tensors, tied and names only; got {sorted(description)}.")
+        raise ValueError(
+            f"{filename}: __metadata__[{METADATA_KEY!r}] holds version, tensors, tied, names, layers and placeholders only; "
+            f"got {sorted(description)}."
+        )
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (*tied.items(), *names.items())):
         raise ValueError(f"{filename}: tied and names must map names to names.")
-    return {"tensors": tensors, "tied": tied, "names": names}
+    if not isinstance(placeholders, list) or not all(isinstance(name, str) and name in tensors for name in placeholders):
+        raise ValueError(f"{filename}: placeholders must list names of the quantized tensors the file describes.")
+    # Files written before the layers were recorded have none: nothing to check them against.
+    layers = checkpoint_layers.parse(filename, description.get("layers", {}))
+    return {"tensors": tensors, "tied": tied, "names": names, "layers": layers, "placeholders": placeholders}

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import re
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -28,13 +28,12 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from . import checkpoint, recipes
+from . import checkpoint, hf_files, recipes
 from .layers import experts
 from .layers.quantized_stack import QuantizedStack
-from .layers.stack_ops import expert_keys
 from .hf_export import export  # noqa: F401 (qtensor.hf.export)
 from .optim import MasterWeights
-from .quantize import WEIGHT_MODES, fill_weight, quantize_, running_state, save_running_state
+from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, save_running_state
 from .core.quantizer import decode_value, encode_value
 from .recipes import Recipe
 from .core.tensor import QuantizedTensor
@@ -54,9 +53,13 @@ class QTensorConfig(QuantizationConfigMixin):
       `qtensor.recipes.mxfp8(**recipe_options)`), or a factory or `qtensor.Recipe` built by hand.
     - `weights`: `"dynamic"` (high-precision parameters, cast at each use) or `"quantized"`
       (each parameter the quantized tensor; train it through `qtensor.optim.MasterWeights`).
-    - `modules_to_not_convert`: names or glob patterns of layers (or of modules whose layers all
-      stay) kept in high precision, as `quantize_`'s `exclude`.
+    - `modules_to_not_convert` (or `exclude`, `quantize_`'s name for it; the two are joined): names
+      or glob patterns of layers (or of modules whose layers all stay) kept in high precision.
+    - `strict`: as `quantize_`'s, a ValueError naming every layer that would stay in high
+      precision other than by the config's choice (shapes, tied weights, unknown layer types).
     - `filter_fn(module, name) -> bool`: as `quantize_`'s; not written to `config.json`.
+
+    Any other keyword raises TypeError, when the config is made or read from `config.json`.
     """
 
     def __init__(
@@ -66,8 +69,22 @@ class QTensorConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         recipe_options: dict[str, Any] | None = None,
         filter_fn: Callable | None = None,
+        strict: bool = False,
+        exclude: str | list[str] | None = None,
         **kwargs,
     ):
+        # config.json carries `quant_method` (transformers passes every stored key back here); any
+        # other name is a misspelt option, which would otherwise be dropped without a word.
+        quant_method = kwargs.pop("quant_method", "qtensor")
+        if quant_method != "qtensor":
+            raise ValueError(f"QTensorConfig: quant_method is 'qtensor', got {quant_method!r}.")
+        if kwargs:
+            raise TypeError(
+                f"QTensorConfig got unexpected keyword argument(s) {', '.join(sorted(kwargs))}; it takes recipe, weights, "
+                "modules_to_not_convert (or exclude), recipe_options, strict and filter_fn."
+            )
+        if not isinstance(strict, bool):
+            raise TypeError(f"QTensorConfig: strict must be True or False, got {strict!r}.")
         self.quant_method = "qtensor"
         if isinstance(recipe, str) and recipe not in RECIPES:
             raise ValueError(f"QTensorConfig: unknown recipe {recipe!r}; the ready recipes are {', '.join(RECIPES)} (or pass a factory).")
@@ -79,7 +96,9 @@ class QTensorConfig(QuantizationConfigMixin):
             raise ValueError(f"QTensorConfig: weights must be one of {WEIGHT_MODES}, got {weights!r}.")
         self.recipe = recipe
         self.weights = weights
-        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        excluded = [exclude] if isinstance(exclude, str) else list(exclude or [])
+        self.modules_to_not_convert = list(modules_to_not_convert or []) + [name for name in excluded if name not in (modules_to_not_convert or [])]
+        self.strict = strict
         # From config.json the options arrive in their JSON form ({"dtype": "float8_e5m2"}).
         self.recipe_options = {
             name: value if isinstance(value, torch.dtype) else decode_value(value, f"QTensorConfig.recipe_options[{name!r}]")
@@ -102,6 +121,7 @@ class QTensorConfig(QuantizationConfigMixin):
             "weights": self.weights,
             "modules_to_not_convert": list(self.modules_to_not_convert),
             "recipe_options": {name: encode_value(value) for name, value in self.recipe_options.items()},
+            "strict": self.strict,
         }
 
     def __repr__(self) -> str:
@@ -122,7 +142,10 @@ class QTensorHfQuantizer(HfQuantizer):
     requires_calibration = False
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        """True for the weight of a layer quantize_ prepared: its checkpoint tensor is cast on load."""
+        """True for the weight of a layer quantize_ prepared: its checkpoint tensor is cast on load;
+        for a saved quantized model, for the placeholder of a quantized weight (see `_with_placeholders`)."""
+        if self.pre_quantized:
+            return param_name in getattr(self, "placeholders", {})
         module_path, _, attribute = param_name.rpartition(".")
         try:
             module = model.get_submodule(module_path)
@@ -145,11 +168,13 @@ class QTensorHfQuantizer(HfQuantizer):
         if not checkpoint_files:
             raise ValueError("qtensor: from_pretrained with a QTensorConfig reads safetensors files; none were found.")
         self.checkpoint_files = list(checkpoint_files)
-        stored, renamed = set(), {}  # the stored names, and those saved under another name (stored -> state_dict key)
+        stored, renamed, placeholders = set(), {}, set()  # stored names; those saved under another name (stored -> key)
         for filename in self.checkpoint_files:
             header, metadata = checkpoint.read_header(filename)
             stored.update(header)
-            renamed.update(checkpoint.parse_description(filename, metadata)["names"])
+            description = checkpoint.parse_description(filename, metadata)
+            renamed.update(description["names"])
+            placeholders.update(description["placeholders"])
         if self.pre_quantized:
             # The checkpoint holds qtensor's entries (a quantized weight as its buffers, running
             # state) where the plain model has plain weights: transformers loads the rest and is
@@ -157,15 +182,19 @@ class QTensorHfQuantizer(HfQuantizer):
             planned = copy.deepcopy(model)
             with torch.device("cpu"), _default_dtype(torch.float32):
                 self._quantize(planned)
-            entries = _qtensor_entries(planned)
+            entries = hf_files.qtensor_entries(planned)
             # Each stored name as the model names it (transformers renames back what it renamed on saving).
             as_model = lambda name: next((renamed[p] + name[len(p):] for p in (name, *checkpoint.entry_prefixes(name)) if p in renamed), name)
             stored = {as_model(name) for name in stored}
+            # Each placeholder loads as an empty stand-in for its weight (param_needs_quantization lets
+            # its shape differ); the weight is made again, then given its bytes, after loading.
+            self.placeholders = {name: model.get_parameter(name) for name in map(as_model, placeholders)}
+            self.placeholders = {name: (p.shape, p.dtype, p.requires_grad) for name, p in self.placeholders.items()}
             owned = {name for name in stored if name in entries or any(key in entries for key in checkpoint.entry_prefixes(name))}
             exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(owned)
             # A stack held quantized is stored as its experts' entries, not under its own name.
-            held = {prefix + a for prefix, module in _quantized_modules(planned) for a in module._qtensor_layers if isinstance(getattr(module, a), QuantizedStack)}
+            held = {prefix + a for prefix, module in hf_files.quantized_modules(planned) for a in module._qtensor_layers if isinstance(getattr(module, a), QuantizedStack)}
             model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact((entries | held) - stored)
             return model
         # transformers ties weights only after loading: tie now what it will tie, so that quantize_
@@ -189,18 +218,26 @@ class QTensorHfQuantizer(HfQuantizer):
         if stacks is not None:
             user = config.filter_fn
             chosen = lambda module, name: bool(experts.stacks_of(module)) == stacks and (user is None or user(module, name))
-        return quantize_(model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=chosen)
+        return quantize_(
+            model, config.factory(), weights=config.weights, exclude=config.modules_to_not_convert, filter_fn=chosen, strict=config.strict,
+        )
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
             save_running_state(model, True)
             _add_to_report(model.qtensor_report, self._quantize(model, stacks=True))
+            _warn_if_mostly_high_precision(model)
             return model
+        for name, (shape, dtype, requires_grad) in getattr(self, "placeholders", {}).items():
+            module_path, _, attribute = name.rpartition(".")
+            stand_in = model.get_parameter(name)
+            setattr(model.get_submodule(module_path), attribute, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=stand_in.device), requires_grad))
         model.qtensor_report = self._quantize(model)
         # The quantized weights' bytes and the running state, as saved (the rest transformers loaded,
         # through the model's own key conversions).
         device = next(model.parameters()).device
-        checkpoint.load_model_files(model, self.checkpoint_files, strict=True, device=device, keys=_qtensor_entries(model))
+        checkpoint.load_model_files(model, self.checkpoint_files, strict=True, device=device, keys=hf_files.qtensor_entries(model))
+        _warn_if_mostly_high_precision(model)
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -212,7 +249,16 @@ class QTensorHfQuantizer(HfQuantizer):
                 "qtensor.save_model and load it with qtensor.load_model into a model quantize_'d the same way."
             )
         stored, metadata = checkpoint.state_for_writer(model)
-        return stored, _described_as_stored(model, metadata)
+        if stored:  # the writing rank (under FSDP2 the others get nothing to write)
+            stored, metadata = hf_files.with_placeholders(model, stored, metadata)
+        return stored, hf_files.described_as_stored(model, metadata)
+
+    def _dequantize(self, model, dtype=None):
+        """`model.dequantize()`: every quantized layer back to plain parameters (`qtensor.dequantize_`,
+        the values in the dtype they were quantized from); transformers then drops the
+        quantization config, so the model saves and loads as a plain one."""
+        dequantize_(model)
+        return model
 
     def is_serializable(self, safe_serialization=None) -> bool:
         return True
@@ -245,57 +291,13 @@ class _FillQuantizedWeight(ConversionOps):
 
 def _add_to_report(report, stacks_report) -> None:
     """The report of the pass that quantized the expert stacks, over the first pass's."""
-    for name, text in stacks_report.quantized.items():
-        report.skipped.pop(name, None)
-        report.quantized[name] = text
-    for name, text in stacks_report.skipped.items():
-        if name in report.skipped and report.skipped[name] == "filtered out by filter_fn" and text != report.skipped[name]:
-            report.skipped[name] = text  # a stack the first pass left to this one
+    report.merge(stacks_report)
 
 
-def _described_as_stored(model, metadata: dict[str, str]) -> dict[str, str]:
-    """The metadata with qtensor's description under the names save_pretrained stores the tensors
-    under: transformers renames some models' keys as it writes them (Mixtral's `mlp` to
-    `block_sparse_moe`, the same renaming `revert_weight_conversion` gives here), so each renamed
-    entry is described under its stored name and `names` maps it back to its state_dict key."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    description = json.loads(metadata[checkpoint.METADATA_KEY])
-    keys = sorted(_qtensor_entries(model) | set(description["tensors"]))
-    if not keys:
-        return metadata
-    renamed = revert_weight_conversion(model, {key: torch.empty(index) for index, key in enumerate(keys)})  # each key tagged by its size
-    names = {name: keys[tensor.numel()] for name, tensor in renamed.items() if name != keys[tensor.numel()]}
-    if not names:
-        return metadata
-    stored_as = {key: name for name, key in names.items()}
-    description["tensors"] = {stored_as.get(key, key): value for key, value in description["tensors"].items()}
-    description["tied"] = {stored_as.get(a, a): stored_as.get(b, b) for a, b in description.get("tied", {}).items()}
-    description["names"] = names
-    return {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
-
-
-def _quantized_modules(model):
-    """(state_dict key prefix, module) of every module quantize_ gave a layer."""
-    for name, module in model.named_modules():
-        if "_qtensor_layers" in module.__dict__:
-            yield (f"{name}." if name else ""), module
-
-
-def _qtensor_entries(model) -> set[str]:
-    """The state_dict keys qtensor owns: each quantized layer's weight and its running state."""
-    entries = set()
-    for prefix, module in _quantized_modules(model):
-        # A dynamic expert stack's entry is its plain values, stored expert by expert, which
-        # transformers loads through its own key conversions; a stack held quantized, its experts'.
-        stacks = {attribute: count for attribute, count, *_ in experts.stacks_of(module)}
-        for attribute in module._qtensor_layers:
-            if attribute not in stacks:
-                entries.add(prefix + attribute)
-            elif isinstance(getattr(module, attribute), QuantizedStack):
-                entries.update(expert_keys(prefix, attribute, stacks[attribute]))
-        entries.update(prefix + suffix for suffix in running_state(module))
-    return entries
+def _warn_if_mostly_high_precision(model) -> None:
+    warning = model.qtensor_report.mostly_high_precision()
+    if warning:
+        warnings.warn(warning, stacklevel=3)
 
 
 def _stored(model, stored: set[str]):
@@ -317,7 +319,7 @@ def _tie_as_loading_will(model, stored: set[str]) -> None:
 def _check_weights_stored(model, stored: set[str]) -> None:
     present = _stored(model, stored)
     absent = [
-        prefix + attribute for prefix, module in _quantized_modules(model) for attribute in module._qtensor_layers
+        prefix + attribute for prefix, module in hf_files.quantized_modules(model) for attribute in module._qtensor_layers
         if not present(prefix + attribute)
     ]
     if absent:
@@ -358,6 +360,49 @@ class QTensorTrainer(Trainer):
             self.optimizer = optimizer = MasterWeights(optimizer)
         return optimizer
 
+    def train(self, *args, **kwargs):
+        """`Trainer.train`, refused under accelerate's FSDP2 for a model with qtensor weights (below)."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) == 2 and any(_is_layer_weight(p) for p in model.parameters()):
+            raise ValueError(
+                "QTensorTrainer: training under accelerate's FSDP2 (fsdp_config version 2) is not supported yet. "
+                "accelerate maps the optimizer's parameters to the sharded ones by data_ptr(), and qtensor's weights "
+                "(tensors without storage of their own) all give 0, so the optimizer would update the wrong tensors. "
+                "Shard the model with torch.distributed.fsdp.fully_shard and train it with your own loop "
+                "(docs/fsdp2.md); save_model and save_pretrained of that sharded model work on every rank."
+            )
+        return super().train(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, but for a model sharded by FSDP2 with a full state dict
+        (`fsdp_config` `state_dict_type` "FULL_STATE_DICT", `Trainer`'s default) every rank calls
+        `save_pretrained`: its gather of the shards (`qtensor.checkpoint.state_for_writer`) is a
+        collective, which `Trainer` (gathering a plain state dict that `save_pretrained` does not
+        use, then calling it on rank 0 alone) would leave rank 0 waiting in. Rank 0 writes."""
+        if not self._saves_sharded():
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir if output_dir is not None else self.args.output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        if self._saves_sharded() and not self.args.should_save:  # not the writer: join rank 0's gather
+            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            model.save_pretrained(output_dir if output_dir is not None else self.args.output_dir, is_main_process=False)
+            return
+        super()._save(output_dir, state_dict)
+
+    def _saves_sharded(self) -> bool:
+        """Whether this run saves a model sharded by FSDP2 whole, through qtensor's gather."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        return (
+            plugin is not None and "FULL_STATE_DICT" in str(plugin.state_dict_type)
+            and isinstance(getattr(model, "hf_quantizer", None), QTensorHfQuantizer)
+            and any(hasattr(p, "_local_tensor") for p in model.parameters())
+        )
+
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         super()._load_optimizer_and_scheduler(checkpoint_dir)
         if checkpoint_dir is not None and isinstance(self.optimizer_unwrapped(), MasterWeights):
@@ -377,6 +422,10 @@ class QTensorTrainer(Trainer):
         if not isinstance(getattr(model, "hf_quantizer", None), QTensorHfQuantizer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         checkpoint.load_model_files(model, checkpoint_files(resume_from_checkpoint), strict=True, device=next(model.parameters()).device)
+
+
+def _is_layer_weight(parameter) -> bool:
+    return getattr(getattr(parameter, "_local_tensor", parameter), "is_layer_weight", False)
 
 
 def checkpoint_files(directory) -> list[str]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import sys
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -19,89 +17,11 @@ from .distributed import tensor_parallel  # noqa: F401 (installs the hook that g
 from .layers.weight import quantized_weight
 from .layers.quantized_stack import QuantizedStack, quantized_stack
 from .layers.stack_ops import assembled_entry, expanded_entries, is_stack, state_entry
+from .report import QuantizeReport
+from .sites import EMBEDDINGS, LinearSite, linear_sites
+from .sites import join as _join
 
 WEIGHT_MODES = ("dynamic", "quantized")
-
-
-@dataclass
-class QuantizeReport:
-    """What quantize_ did: `quantized` (layer → description) and `skipped` (layer → why it stays in
-    high precision). Every module holding a weight matrix appears in one of the two."""
-
-    quantized: dict[str, str] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    # The model's last linear layer (in registration order): its output head for a language model or
-    # classifier. quantize_ treats it like any other layer; `exclude=[name]` keeps it in high precision.
-    output_head: str | None = None
-
-    def __str__(self) -> str:
-        rows = [(name, "quantized", text) for name, text in self.quantized.items()]
-        rows += [(name, "skipped", text) for name, text in self.skipped.items()]
-        width = max([len("layer")] + [len(name) for name, _, _ in rows])
-        lines = [f"{'layer':<{width}}  {'status':<9}  details"]
-        lines += [f"{name:<{width}}  {status:<9}  {text}" for name, status, text in rows]
-        lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
-        if self.output_head is not None:
-            status = "quantized" if self.output_head in self.quantized else "in high precision"
-            hint = f"; exclude=[{self.output_head!r}] keeps it in high precision" if status == "quantized" else ""
-            lines.append(f"output head (the last linear layer): {self.output_head!r}, {status}{hint}")
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class LinearSite:
-    """A weight matrix that a module multiplies its input by: one linear layer of the model."""
-
-    module: nn.Module
-    module_name: str
-    attribute: str  # "weight"; nn.MultiheadAttention: "in_proj_weight" or "q_proj_weight", ...
-    in_features: int
-    out_features: int
-    transposed: bool = False  # Hugging Face Conv1D keeps its weight as [in_features, out_features]
-    experts: int = 0  # a stack of this many expert matrices (layers/experts.py); 0: one matrix
-
-    @property
-    def layer(self) -> str:
-        """The name the factory, filter report and messages use: the module's, or for an attention
-        projection `<module>.in_proj` (`.q_proj`, ...)."""
-        if self.attribute == "weight":
-            return self.module_name
-        return _join(self.module_name, self.attribute.removesuffix("_weight"))
-
-    @property
-    def parameter(self) -> str:
-        return _join(self.module_name, self.attribute)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _hf_conv1d() -> type | None:
-    """transformers' Conv1D class when transformers is loaded (a model using it has loaded it)."""
-    module = sys.modules.get("transformers.pytorch_utils")
-    return getattr(module, "Conv1D", None)
-
-
-def linear_sites(module: nn.Module, name: str) -> list[LinearSite]:
-    """The linear layers `module` itself holds: nn.Linear, Hugging Face Conv1D, and the input
-    projections of nn.MultiheadAttention (its out_proj is an nn.Linear of its own)."""
-    if isinstance(module, nn.Linear):
-        return [LinearSite(module, name, "weight", module.in_features, module.out_features)]
-    conv1d = _hf_conv1d()
-    if conv1d is not None and isinstance(module, conv1d) and module.weight.dim() == 2:
-        return [LinearSite(module, name, "weight", module.weight.shape[0], module.weight.shape[1], transposed=True)]
-    if isinstance(module, nn.MultiheadAttention):
-        attributes = ["in_proj_weight"] if module.in_proj_weight is not None else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
-        return [
-            LinearSite(module, name, attribute, getattr(module, attribute).shape[1], getattr(module, attribute).shape[0])
-            for attribute in attributes
-        ]
-    # A mixture of experts' fused stacks (any 3-D parameter): E matrices each.
-    return [LinearSite(module, name, a, i, o, transposed=t, experts=e) for a, e, i, o, t in experts.stacks_of(module)]
-
-
-_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 _SUPPORTED = "qtensor quantizes nn.Linear, Hugging Face Conv1D and nn.MultiheadAttention projections"
 
 
@@ -128,15 +48,22 @@ def quantize_(
     weights, an embedding table, a router, a layer type qtensor does not quantize, an expert stack
     in a mode it does not take yet, a parameter that is not a layer's weight). With `strict=True`
     nothing is changed and a ValueError names every layer that cannot be quantized (shapes, tied
-    weights, such stacks) and every `weight` matrix of a layer type qtensor does not know.
+    weights, such stacks) and every `weight` matrix of a layer type qtensor does not know. It also
+    counts the model's parameters and its weight matrices' multiply-accumulates per token in and
+    out of low precision (report.py); `report.mostly_high_precision()` warns when most stay high.
 
     `exclude`: names or glob patterns of layers, or of modules whose layers all stay, to keep in high
     precision (`"lm_head"`, `"layers.*.attention"`), as `filter_fn` returning False would; one that
     matches no linear layer raises ValueError (a misspelt name would quantize the layer it meant to keep).
 
     `amax_reduction_group`: the process group over which delayed scaling's amaxes are reduced before they
-    are recorded, so that every data-parallel rank holds the same histories (DDP: the default group).
-    Under FSDP2 the mesh's group is used when none is given.
+    are recorded, so that every data-parallel rank holds the same histories. None (the default): under
+    FSDP2 the mesh's group; otherwise, while torch.distributed is initialised with more than one rank,
+    every rank (the default group: DistributedDataParallel needs nothing more), settled at each
+    backward, so quantizing before init_process_group is fine. "local": no reduction, each rank keeps
+    its own histories (as a group of one rank does). Every rank of the group must run the same layers'
+    backwards in the same order (pipeline stages: pass the group of each stage's replicas;
+    docs/running-state.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -216,7 +143,7 @@ def quantize_(
         mode = "dynamic" if getattr(site.module, site.attribute).quantized_at_use else "quantized"
         stack = f"a stack of {site.experts} experts, each " if site.experts else ""
         report.quantized[site.layer] = f"{stack}{linear.describe()}; weights={mode}"
-    return report
+    return report.count(model)  # parameters and multiply-accumulates per token, in and out of low precision
 
 
 def _patterns(exclude) -> tuple[str, ...]:
@@ -248,7 +175,7 @@ def _other_weight_matrices(model: nn.Module, seen: set) -> dict[str, tuple[str, 
                 continue
             if param.dim() > 2:  # more than one dimension of experts, or an integer stack
                 found[_join(module_name, attribute)] = (experts.unquantized_stack_reason(module, param), False)
-            elif isinstance(module, _EMBEDDINGS):
+            elif isinstance(module, EMBEDDINGS):
                 found[module_name] = ("an embedding table: a lookup, not a matrix multiplication", True)
             elif experts.is_router(module):
                 found[module_name] = (f"a mixture of experts' router ({type(module).__name__}): routing stays in high precision", True)
@@ -468,7 +395,11 @@ def fill_weight(module: nn.Module, attribute: str, value: torch.Tensor) -> nn.Pa
 
 def dequantize_(model: nn.Module) -> None:
     """Turn every quantized layer of `model` back into plain high-precision parameters, in the
-    layout each module keeps (a Conv1D's [in, out])."""
+    layout each module keeps (a Conv1D's [in, out]). A transformers model loaded with a
+    `QTensorConfig` also drops its quantization config: it saves and loads as a plain model."""
+    hf_quantizer = getattr(model, "hf_quantizer", None)
+    if getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None) == "qtensor":
+        hf_quantizer.remove_quantization_config(model)  # transformers' own: config.json no longer names qtensor
     for module in model.modules():
         layers = module.__dict__.get("_qtensor_layers")
         if not layers:

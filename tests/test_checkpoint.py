@@ -428,6 +428,151 @@ def test_a_mismatched_model_is_refused_naming_the_parameter_and_left_untouched(t
         assert torch.equal(plain, expected), key
 
 
+def _same_state(model, before):
+    for key, value in model.state_dict().items():
+        plain = value.dequantize() if isinstance(value, qtensor.QuantizedTensor) else value
+        expected = before[key].dequantize() if isinstance(before[key], qtensor.QuantizedTensor) else before[key]
+        assert torch.equal(plain, expected), key
+
+
+R = qtensor.recipes
+LAYER_MISMATCHES = {  # saved recipe, weights, the loading model's recipe, what the message must say of up.weight
+    "format": (lambda: R.float8_current(), "dynamic", lambda: R.nvfp4(), r"input: file float8, model nvfp4 rht; weight: file float8, model nvfp4 block_2d"),
+    "margin": (lambda: R.float8_delayed(margin=2), "dynamic", lambda: R.float8_delayed(), r"input: file float8 scaling=delayed margin=2, model float8 scaling=delayed;"),
+    "history-length": (
+        lambda: R.float8_delayed(amax_history_len=8), "dynamic", lambda: R.float8_delayed(amax_history_len=16),
+        r"input: file float8 scaling=delayed amax_history_len=8, model float8 scaling=delayed amax_history_len=16",
+    ),
+    "fast-accumulation": (lambda: R.float8_current(), "dynamic", lambda: R.float8_current(fprop_fast_accumulation=False), r"fprop_fast_accumulation: file True, model False"),
+    "backward-override": (lambda: qtensor.Recipe(R.mxfp8(), backward_override="dequantized"), "dynamic", lambda: R.mxfp8(), r"backward_override: file 'dequantized', model None"),
+    "backward-fast-accumulation": (
+        lambda: qtensor.Recipe(R.float8_current(), backward_fast_accumulation=True), "quantized", lambda: R.float8_current(),
+        r"backward_fast_accumulation: file True, model False",
+    ),
+    # a quantized weight's bytes and quantizer agree; the gradient's quantizer does not
+    "gradient-quantized": (lambda: R.mxfp8(), "quantized", lambda: R.mxfp8(grad_fp8_dtype=torch.float8_e5m2), r"grad_output: file mxfp8, model mxfp8 e5m2\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_MISMATCHES))
+def test_a_model_whose_layers_are_quantized_otherwise_is_refused_naming_the_layer_and_what_differs(tmp_path, case):
+    """Every layer's recipe is in the file, for dynamic weights too (stored as plain values, which any
+    recipe's model could take): loading into a model quantized otherwise raises before anything is
+    written, naming the parameter, the file's and the model's settings, and what to do."""
+    saved_recipe, weights, other_recipe, message = LAYER_MISMATCHES[case]
+    model = build(saved_recipe(), weights)
+    train(model, 2)
+    qtensor.save_model(model, tmp_path / "model.safetensors")
+    other = build(other_recipe(), weights, seed=3)
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=r"up\.weight: the file's layer was quantized otherwise than this model's \(.*" + message) as raised:
+        qtensor.load_model(other, tmp_path / "model.safetensors")
+    assert "Quantize the model as the file's was" in str(raised.value) and "Nothing was loaded" in str(raised.value)
+    _same_state(other, before)
+    # The shards of a writer that splits the state itself (save_pretrained, QTensorTrainer's resume) are checked alike.
+    stored, metadata = qtensor.checkpoint.state_for_writer(model)
+    from safetensors.torch import save_file as plain_save_file
+
+    plain_save_file(stored, tmp_path / "writer.safetensors", metadata=metadata)
+    with pytest.raises(ValueError, match=r"up\.weight: the file's layer was quantized otherwise"):
+        qtensor.checkpoint.load_model_files(other, [tmp_path / "writer.safetensors"])
+    _same_state(other, before)
+    # The model quantized as the file's was loads it.
+    same = build(saved_recipe(), weights, seed=3)
+    assert qtensor.load_model(same, tmp_path / "model.safetensors") == ([], [])
+    tokens = torch.randint(0, 16, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(same(tokens), model(tokens))
+
+
+def test_the_file_records_every_quantized_layers_configuration(tmp_path):
+    """The `layers` field as docs/checkpoint-format.md specifies it, read with plain safetensors."""
+    model = build(qtensor.recipes.float8_delayed(margin=2, amax_history_len=8), "dynamic")
+    qtensor.save_model(model, tmp_path / "model.safetensors")
+    _, metadata = file_tensors(tmp_path / "model.safetensors")
+    layers = json.loads(metadata["qtensor"])["layers"]
+    assert sorted(layers) == ["down.weight", "up.weight"]  # head is tied to embed: left in high precision
+    delayed = {
+        "scaling": "delayed", "margin": 2, "amax_history_len": 8, "amax_compute_algo": "max",
+        "amax_epsilon": 0.0, "force_pow_2_scales": False,
+    }
+    assert layers["up.weight"] == {
+        "input": {"format": "float8", "config": {"fp8_dtype": {"dtype": "float8_e4m3fn"}, **delayed}},
+        "weight": {"format": "float8", "config": {"fp8_dtype": {"dtype": "float8_e4m3fn"}, **delayed}},
+        "grad_output": {"format": "float8", "config": {"fp8_dtype": {"dtype": "float8_e5m2"}, **delayed}},
+        "backward_override": None, "fprop_fast_accumulation": True, "backward_fast_accumulation": False, "weights": "dynamic",
+    }
+    quantized = build(qtensor.Recipe(qtensor.recipes.nvfp4(), backward_override="high_precision"), "quantized")
+    qtensor.save_model(quantized, tmp_path / "quantized.safetensors")
+    layer = json.loads(file_tensors(tmp_path / "quantized.safetensors")[1]["qtensor"])["layers"]["down.weight"]
+    assert layer["weights"] == "quantized" and layer["backward_override"] == "high_precision"
+    assert layer["weight"] == {"format": "nvfp4", "config": {"block_2d": True, "rht": False, "stochastic_rounding": False, "seed": None}}
+    # A plain model's file records no layers (nor does save_file, which saves no model).
+    qtensor.save_model(Block(), tmp_path / "plain.safetensors")
+    assert "layers" not in json.loads(file_tensors(tmp_path / "plain.safetensors")[1]["qtensor"])
+
+
+def test_what_the_layer_check_leaves_alone(tmp_path):
+    """A layer quantized on one side only is not compared: a plain model takes a dynamic model's
+    values, a quantized model a plain model's file, a model that keeps a layer in high precision the
+    file's values of it; and a file written before files recorded their layers loads as it did."""
+    model = build(qtensor.recipes.float8_current(), "dynamic")
+    qtensor.save_model(model, tmp_path / "dynamic.safetensors")
+    torch.manual_seed(7)
+    plain = Block()
+    assert qtensor.load_model(plain, tmp_path / "dynamic.safetensors") == ([], [])
+    assert torch.equal(plain.up.weight, model.up.weight.plain())
+    qtensor.save_model(plain, tmp_path / "plain.safetensors")
+    for weights in ("dynamic", "quantized"):
+        quantized = build(qtensor.recipes.nvfp4(), weights, seed=2)
+        if weights == "dynamic":
+            assert qtensor.load_model(quantized, tmp_path / "plain.safetensors") == ([], [])
+            assert torch.equal(quantized.up.weight.plain(), plain.up.weight)
+        else:  # as before: a quantized weight restores only quantized bytes
+            with pytest.raises(ValueError, match="up.weight: the model holds NVFP4Tensor.*the file plain"):
+                qtensor.load_model(quantized, tmp_path / "plain.safetensors")
+    torch.manual_seed(0)
+    partly = Block()
+    qtensor.quantize_(partly, qtensor.recipes.float8_current(), exclude=["down"])
+    assert qtensor.load_model(partly, tmp_path / "dynamic.safetensors") == ([], [])
+    assert torch.equal(partly.down.weight, model.down.weight.plain())
+    # The same file without its layers field (as files were written before it): not checked.
+    header, data = split_file(tmp_path / "dynamic.safetensors")
+    description = json.loads(header["__metadata__"]["qtensor"])
+    del description["layers"]
+    header["__metadata__"]["qtensor"] = json.dumps(description)
+    older = rewrite(tmp_path, header, data, tmp_path / "older.safetensors")
+    other = build(qtensor.recipes.nvfp4(), "dynamic", seed=2)
+    assert qtensor.load_model(other, older) == ([], [])
+    assert torch.equal(other.up.weight.plain(), model.up.weight.plain())
+    with pytest.raises(ValueError, match="up.weight: the file's layer was quantized otherwise"):
+        qtensor.load_model(build(qtensor.recipes.nvfp4(), "dynamic", seed=2), tmp_path / "dynamic.safetensors")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda layers: layers["up.weight"].pop("weights"), r"layers\['up.weight'\]: expected the fields"),
+        (lambda layers: layers["up.weight"]["input"].update(format="qtensor_hostile_probe.boom"), "unknown qtensor quantizer format"),
+        (lambda layers: layers["up.weight"]["input"]["config"].update(margin=-1), "margin"),
+        (lambda layers: layers["up.weight"].update(backward_override="os.system"), "backward_override"),
+        (lambda layers: layers["up.weight"].update(fprop_fast_accumulation="yes"), "true or false"),
+        (lambda layers: layers.update({"up.weight": []}), "expected the fields"),
+    ],
+    ids=["missing-field", "unknown-format", "bad-option", "override", "flag", "not-an-object"],
+)
+def test_a_bad_layers_field_is_a_value_error_naming_the_layer(tmp_path, mutate, message):
+    qtensor.save_model(build(qtensor.recipes.float8_delayed(), "dynamic"), tmp_path / "model.safetensors")
+    header, data = split_file(tmp_path / "model.safetensors")
+    description = json.loads(header["__metadata__"]["qtensor"])
+    mutate(description["layers"])
+    header["__metadata__"]["qtensor"] = json.dumps(description)
+    bad = rewrite(tmp_path, header, data, tmp_path / "bad.safetensors")
+    model = build(qtensor.recipes.float8_delayed(), "dynamic")
+    with pytest.raises(ValueError, match=message):
+        qtensor.load_model(model, bad)
+
+
 def test_missing_and_unexpected_keys(tmp_path):
     model = build(qtensor.recipes.mxfp8(), "quantized")
     qtensor.save_model(model, tmp_path / "model.safetensors")

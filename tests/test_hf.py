@@ -159,7 +159,7 @@ def test_recipe_options_reach_the_recipe_and_come_back_from_config_json():
     written = json.loads(json.dumps(config.to_dict()))  # what config.json holds
     assert written == {
         "quant_method": "qtensor", "recipe": "float8_delayed", "weights": "dynamic", "modules_to_not_convert": [],
-        "recipe_options": {"amax_history_len": 8, "fp8_dtype": {"dtype": "float8_e5m2"}},
+        "recipe_options": {"amax_history_len": 8, "fp8_dtype": {"dtype": "float8_e5m2"}}, "strict": False,
     }
     again = QTensorConfig.from_dict(written)
     assert again.recipe_options == {"amax_history_len": 8, "fp8_dtype": torch.float8_e5m2}
@@ -170,10 +170,35 @@ def test_recipe_options_reach_the_recipe_and_come_back_from_config_json():
     (dict(recipe="float8"), "unknown recipe"),
     (dict(weights="fp8"), "weights must be"),
     (dict(recipe="mxfp8", recipe_options={"no_such_option": 1}), "no_such_option"),
+    (dict(recpie="nvfp4"), "unexpected keyword argument.*recpie"),
+    (dict(recipe="nvfp4", strict="yes"), "strict must be True or False"),
 ])
 def test_bad_configs_raise_when_made(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
         QTensorConfig(**bad)
+
+
+def test_a_misspelt_option_in_config_json_raises_on_load():
+    with pytest.raises(TypeError, match="unexpected keyword argument.*stirct"):
+        QTensorConfig.from_dict({"quant_method": "qtensor", "recipe": "mxfp8", "stirct": True})
+
+
+def test_strict_and_exclude_reach_quantize_(tmp_path):
+    """`exclude` keeps a layer in high precision as modules_to_not_convert does, and config.json
+    carries it; `strict=True` refuses a model one of whose linear layers cannot be quantized (an
+    output head tied to the embedding table) where the default leaves it, reported, in high precision."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    keep = "model.layers.0.mlp.down_proj"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=QTensorConfig(recipe="mxfp8", exclude=keep))
+    assert keep in model.qtensor_report.skipped and "model.layers.0.mlp.up_proj" in model.qtensor_report.quantized
+    assert "tied" in model.qtensor_report.skipped["lm_head"]
+    assert model.config.quantization_config.to_dict()["modules_to_not_convert"] == [keep]
+    with pytest.raises(ValueError, match="strict=True.*lm_head"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=QTensorConfig(recipe="mxfp8", strict=True))
 
 
 def _bytes(model) -> dict:
@@ -377,3 +402,88 @@ def test_from_pretrained_with_a_device_map(checkpoint):
     weight = next(p for p in model.parameters() if isinstance(p, qtensor.QuantizedTensor))
     size = model.hf_quantizer.param_element_size(model, "", weight)
     assert size == 2 + 4 / weight.numel()  # E4M3 both directions and one fp32 scale, not fp32's 4 bytes
+
+
+_LOAD_IN_A_FRESH_INTERPRETER = """
+import sys, torch
+if sys.argv[1] == "import qtensor":
+    import qtensor  # noqa: F401 (before transformers: registers when transformers is imported)
+import transformers
+for directory in sys.argv[2:]:
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    except Exception as error:
+        print("raised", type(error).__name__, " ".join(str(error).split())[:400])
+        continue
+    weight = model.model.layers[0].mlp.down_proj.weight
+    logits = model(torch.arange(32)[None]).logits
+    plain = torch.load(directory + "/down_proj.pt")
+    same_weight = type(weight) is torch.nn.Parameter and weight.shape == plain.shape and torch.equal(weight.detach(), plain)
+    print("loaded", type(weight).__name__, torch.equal(logits, torch.load(directory + "/logits.pt")), same_weight)
+"""
+
+
+def test_import_qtensor_alone_loads_a_saved_model_and_without_it_a_quantized_one_fails_loudly(tmp_path):
+    """In a fresh interpreter, `import qtensor` (before transformers) is enough for from_pretrained
+    to restore a save_pretrained directory, in both weight modes. With nothing of qtensor imported,
+    transformers cannot know the method: a directory of quantized weights raises (its weights'
+    entries do not fit the plain layers) instead of loading newly initialised weights, and one of
+    dynamic weights loads their saved high-precision values."""
+    import subprocess
+    import sys
+
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "plain")
+    directories = []
+    for weights in ("dynamic", "quantized"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=QTensorConfig(recipe="mxfp8", weights=weights))
+        model.save_pretrained(tmp_path / weights)
+        with torch.no_grad():
+            torch.save(model(torch.arange(32)[None]).logits, tmp_path / weights / "logits.pt")
+        weight = model.model.layers[0].mlp.down_proj.weight
+        plain = weight.plain() if weights == "dynamic" else weight.dequantize()
+        torch.save(plain.detach().clone(), tmp_path / weights / "down_proj.pt")
+        directories.append(str(tmp_path / weights))
+    run = lambda how: subprocess.run(
+        [sys.executable, "-c", _LOAD_IN_A_FRESH_INTERPRETER, how, *directories], capture_output=True, text=True, cwd=tmp_path,
+    )
+    with_qtensor = run("import qtensor")
+    assert with_qtensor.returncode == 0, with_qtensor.stderr[-3000:]
+    assert with_qtensor.stdout.split("\n")[:2] == ["loaded DynamicWeight True False", "loaded MXFP8TensorWeight True False"], with_qtensor.stdout
+    without = run("nothing")
+    assert without.returncode == 0, without.stderr[-3000:]
+    dynamic, quantized = without.stdout.split("\n")[:2]
+    assert dynamic.startswith("loaded Parameter") and dynamic.endswith(" True"), dynamic  # the saved values, not quantized
+    assert quantized.startswith("raised RuntimeError") and "down_proj.weight" in without.stderr + quantized, (quantized, without.stderr[-2000:])
+
+
+@pytest.mark.parametrize("how", ["qtensor.dequantize_", "model.dequantize"])
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_dequantized_model_saves_and_loads_as_a_plain_one(weights, how, tmp_path):
+    """After dequantize_ (or transformers' model.dequantize()) the model is plain: save_pretrained
+    writes no qtensor config, and from_pretrained gives back plain layers with the same values."""
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "plain")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=QTensorConfig(recipe="mxfp8", weights=weights))
+    qtensor.dequantize_(model) if how == "qtensor.dequantize_" else model.dequantize()
+    model.save_pretrained(tmp_path / "saved")
+    assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert not any(isinstance(p, qtensor.QuantizedTensor) or hasattr(p, "linear_quantizers") for p in loaded.parameters())
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, loaded.get_parameter(name)), name
+
+
+def test_qtensor_trainer_refuses_to_train_under_accelerates_fsdp2(checkpoint, tmp_path):
+    """accelerate's FSDP2 preparation maps optimizer parameters by data_ptr(), which qtensor's
+    weights do not give: QTensorTrainer.train() says so instead of training the wrong tensors. (The
+    plugin is set by hand: accelerate applies FSDP on GPUs only; tests/test_hf_fsdp.py runs it there.)"""
+    _, path = checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe="float8_current"))
+    args = transformers.TrainingArguments(tmp_path, max_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = qtensor.hf.QTensorTrainer(model=model, args=args, train_dataset=_Tokens())
+    state, before = trainer.accelerator.state, getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    state.fsdp_plugin = type("Plugin", (), {"fsdp_version": 2})()
+    try:
+        with pytest.raises(ValueError, match="FSDP2.*data_ptr.*fully_shard"):
+            trainer.train()
+    finally:
+        state.fsdp_plugin = before

@@ -335,9 +335,9 @@ def test_dequantized_backward_uses_the_exact_fp32_forward_operands_of_a_bf16_lay
     seen = {}
 
     def recording(name, real):
-        def gemm_op(grad, operand, *rest):
+        def gemm_op(grad, operand, *rest, **options):
             seen[name] = operand
-            return real(grad, operand, *rest)
+            return real(grad, operand, *rest, **options)
 
         return gemm_op
 
@@ -350,3 +350,32 @@ def test_dequantized_backward_uses_the_exact_fp32_forward_operands_of_a_bf16_lay
     assert seen["w"].dtype == torch.float32 and seen["x"].dtype == torch.float32
     oracle.assert_same_bits(seen["w"].numpy(), oracle.nvfp4(w2d, "rowwise", block_2d=True).deq)
     oracle.assert_same_bits(seen["x"].numpy(), oracle.nvfp4(x2d, "rowwise").deq)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0)], ids=["no_inputs", "no_outputs"])
+def test_a_layer_with_nothing_to_multiply_gives_the_stock_output(shape, weights):
+    """nn.Linear(0, 4) returns its bias, nn.Linear(4, 0) an empty output: the same values and
+    gradients as the stock layer, in both weight modes."""
+    torch.manual_seed(0)
+    stock = nn.Linear(*shape)
+    layer = nn.Linear(*shape)
+    layer.load_state_dict(stock.state_dict())
+    qtensor.quantize_(layer, qtensor.recipes.float8_current(), weights=weights)
+    x = torch.randn(2, 3, shape[0], requires_grad=True)
+    x_stock = x.detach().clone().requires_grad_()
+    y, y_stock = layer(x), stock(x_stock)
+    assert y.shape == y_stock.shape == (2, 3, shape[1]) and torch.equal(y, y_stock)
+    (y * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
+    (y_stock * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
+    assert torch.equal(x.grad, x_stock.grad) and torch.equal(layer.bias.grad, stock.bias.grad)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_model_made_float64_after_quantize_refuses_its_input_by_name(weights):
+    """docs/limitations.md: `.double()` goes through, the forward refuses float64 naming the layer."""
+    model = nn.Sequential(nn.Linear(32, 32))
+    qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights=weights)
+    model.double()
+    with pytest.raises(TypeError, match="0: input is torch.float64; quantized layers take float32, bfloat16 or float16"):
+        model(torch.randn(4, 32, dtype=torch.float64))

@@ -8,6 +8,7 @@ import contextlib
 from dataclasses import dataclass, field, fields
 
 import torch
+import torch.distributed as dist
 
 from ..core.quantizer import Quantizer
 
@@ -18,9 +19,9 @@ class LayerRunning:
     """Mutable bookkeeping of one layer, outside its configuration's value (compiled code guards on
     the configuration, never on this).
 
-    - `amax_group`: the process group whose ranks reduce this layer's delayed-scaling amaxes before
-      they are recorded (`quantize_(..., amax_reduction_group=)`); None: the FSDP2 mesh's group,
-      or no reduction in one process.
+    - `amax_group`: what `quantize_(..., amax_reduction_group=)` was given: the process group whose
+      ranks reduce this layer's delayed-scaling amaxes before they are recorded; `"local"`: none,
+      each rank keeps its own histories; None: the default, settled at each reduction by `group()`.
     - `fsdp`: what FSDP2's hooks told the layer about how its weight is sharded (an `FsdpLayer`,
       distributed/fsdp_state.py), None until they run.
     - `recorded_weight`: the version of the weight's values whose amax was last recorded, so a
@@ -30,22 +31,46 @@ class LayerRunning:
     __slots__ = ("amax_group", "fsdp", "recorded_weight")
 
     def __init__(self, amax_group=None):
+        if isinstance(amax_group, bool) or isinstance(amax_group, str) and amax_group != LOCAL_AMAXES:
+            raise ValueError(
+                f"quantize_: amax_reduction_group={amax_group!r}; give a process group, {LOCAL_AMAXES!r} (each rank "
+                "keeps its own delayed-scaling histories) or None (the default: the FSDP2 mesh's group, else "
+                "every rank when torch.distributed is initialised; docs/running-state.md)."
+            )
         self.amax_group = amax_group
         self.fsdp = None
         self.recorded_weight = None
 
     def group(self):
-        """The group that reduces this layer's delayed-scaling amaxes, or None."""
+        """The group that reduces this layer's delayed-scaling amaxes, or None: the group the user
+        gave; none for `"local"`; else the FSDP2 mesh's group; else, while torch.distributed is
+        initialised with more than one rank, the default group (every rank: DistributedDataParallel,
+        as TransformerEngine reduces). Asked at each reduction, so a model quantized before
+        `init_process_group` reduces once it is called; a compiled backward asks once, when traced."""
         if self.amax_group is not None:
-            return self.amax_group
-        return self.fsdp.mesh_group if self.fsdp is not None else None
+            return None if isinstance(self.amax_group, str) else self.amax_group  # str: "local"
+        if self.fsdp is not None:
+            return self.fsdp.mesh_group
+        return _default_group()
 
     def __deepcopy__(self, memo):
         # A copied model is a new layer: same reduction group (groups are not copied), nothing recorded.
         return LayerRunning(self.amax_group)  # FSDP2's hooks tell the copy about its own shard
 
     def __reduce__(self):
-        return LayerRunning, ()
+        # A process group cannot be pickled: an unpickled layer takes the default, unless it kept its own histories.
+        return LayerRunning, ((LOCAL_AMAXES,) if isinstance(self.amax_group, str) else ())
+
+
+# `quantize_(..., amax_reduction_group="local")`: no reduction, each rank keeps its own histories.
+LOCAL_AMAXES = "local"
+
+
+def _default_group():
+    """The default group while torch.distributed is initialised with more than one rank, else None."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD
 
 
 @dataclass(frozen=True)

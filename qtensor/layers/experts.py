@@ -72,12 +72,21 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
     in_out = reads_in_out(stack)
     if not stack.linear_quantizers.records_amaxes:
         return grouped.grouped_linear(x, stack, ends, in_out, offs)  # the whole stack in one autograd Function
+    # Each expert's linear records its amaxes, reduced over the layer's group where it has one: then
+    # every expert runs, with no rows too, so every rank joins the same reductions in the same order
+    # whatever its routing (an expert no rank gave a row records amax 0 that step).
+    every_expert = _reduces_over_ranks(stack.linear_quantizers)
     pieces, start = [], 0
     for expert, end in enumerate(ends):
-        if end > start:
+        if end > start or every_expert:
             pieces.append(_expert_linear(x[start:end], stack, expert, in_out))
         start = end
     return _joined(pieces, x, stack, x.shape[0] - start, in_out)
+
+
+def _reduces_over_ranks(linear) -> bool:
+    group = linear.layers()[0].running.group()
+    return group is not None and torch.distributed.get_world_size(group) > 1
 
 
 @torch.compiler.disable

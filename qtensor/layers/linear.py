@@ -291,6 +291,10 @@ def _local_linear(x, weight, bias, placement: LayerPlacement | None):
                 f"outside autocast (expected m1 and m2 to have the same dtype). Convert the input "
                 f"(x.to({weight.dtype})) or the model, or run under torch.autocast."
             )
+    if weight.numel() == 0:
+        # Nothing to multiply (nn.Linear(0, n) or (n, 0)): the stock result, the bias alone or an
+        # empty output; nothing is cast, and the weight, having no elements, gets no gradient.
+        return torch.nn.functional.linear(x, x.new_zeros(weight.shape), bias)
     grad_enabled = torch.is_grad_enabled()
     # Traced by torch.compile, the casts use the copies of the layer state the weight carries (traced_state.py).
     state = traced_state.traced_state_of(weight)

@@ -1,0 +1,78 @@
+"""How `save_pretrained` lays out a qtensor model's tensors (qtensor/hf.py): which `state_dict`
+entries qtensor owns, the empty placeholders under the names of quantized weights, and the
+description under the names `transformers` stores the tensors under."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import checkpoint
+from .layers import experts
+from .layers.quantized_stack import QuantizedStack
+from .layers.stack_ops import expert_keys
+from .quantize import running_state
+
+
+def with_placeholders(model, stored: dict, metadata: dict[str, str]) -> tuple[dict, dict[str, str]]:
+    """`stored` with an empty tensor under the name of every quantized weight of the model, listed as
+    `placeholders` in the description. A quantized weight is stored as its buffers, so without it the
+    weight's own name would be missing, and transformers, in a process where qtensor did not register,
+    would initialise the layer anew and train on it; with it, that load stops on the shape mismatch.
+    qtensor's readers skip placeholders (docs/checkpoint-format.md)."""
+    description = json.loads(metadata[checkpoint.METADATA_KEY])
+    parameters = dict(model.named_parameters())
+    placeholders = sorted(name for name in description["tensors"] if name in parameters and name not in stored)
+    if not placeholders:
+        return stored, metadata
+    description["placeholders"] = placeholders
+    stored = {**stored, **{name: torch.zeros(0, dtype=torch.uint8) for name in placeholders}}
+    return stored, {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
+
+
+def described_as_stored(model, metadata: dict[str, str]) -> dict[str, str]:
+    """The metadata with qtensor's description under the names save_pretrained stores the tensors
+    under: transformers renames some models' keys as it writes them (Mixtral's `mlp` to
+    `block_sparse_moe`, the same renaming `revert_weight_conversion` gives here), so each renamed
+    entry is described under its stored name and `names` maps it back to its state_dict key."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    description = json.loads(metadata[checkpoint.METADATA_KEY])
+    keys = sorted(qtensor_entries(model) | set(description["tensors"]))
+    if not keys:
+        return metadata
+    renamed = revert_weight_conversion(model, {key: torch.empty(index) for index, key in enumerate(keys)})  # each key tagged by its size
+    names = {name: keys[tensor.numel()] for name, tensor in renamed.items() if name != keys[tensor.numel()]}
+    if not names:
+        return metadata
+    stored_as = {key: name for name, key in names.items()}
+    description["tensors"] = {stored_as.get(key, key): value for key, value in description["tensors"].items()}
+    description["tied"] = {stored_as.get(a, a): stored_as.get(b, b) for a, b in description.get("tied", {}).items()}
+    if "placeholders" in description:
+        description["placeholders"] = sorted(stored_as.get(name, name) for name in description["placeholders"])
+    description["names"] = names
+    return {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
+
+
+def quantized_modules(model):
+    """(state_dict key prefix, module) of every module quantize_ gave a layer."""
+    for name, module in model.named_modules():
+        if "_qtensor_layers" in module.__dict__:
+            yield (f"{name}." if name else ""), module
+
+
+def qtensor_entries(model) -> set[str]:
+    """The state_dict keys qtensor owns: each quantized layer's weight and its running state."""
+    entries = set()
+    for prefix, module in quantized_modules(model):
+        # A dynamic expert stack's entry is its plain values, stored expert by expert, which
+        # transformers loads through its own key conversions; a stack held quantized, its experts'.
+        stacks = {attribute: count for attribute, count, *_ in experts.stacks_of(module)}
+        for attribute in module._qtensor_layers:
+            if attribute not in stacks:
+                entries.add(prefix + attribute)
+            elif isinstance(getattr(module, attribute), QuantizedStack):
+                entries.update(expert_keys(prefix, attribute, stacks[attribute]))
+        entries.update(prefix + suffix for suffix in running_state(module))
+    return entries
