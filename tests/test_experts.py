@@ -542,6 +542,30 @@ def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights):
         gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"), relative=1e-2)
 
 
+
+def test_a_second_grouped_gemm_over_the_same_offsets_reads_no_ends_from_the_device():
+    """The gate_up and down GEMMs of a layer share their offsets: the second takes the ends the first
+    read (no second device-to-host read), until the offsets change in place, when they are read again."""
+    module, w = quantized_stack("float8_e4m3")
+    x = varied(ROWS, K, seed=2)
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    call = lambda: F.grouped_mm(x, module.weight_stack.transpose(-2, -1), offs=offs)
+    reads, tolist = [], torch.Tensor.tolist
+
+    def counted(tensor):
+        reads.append(tensor)
+        return tolist(tensor)
+
+    with mock.patch.object(torch.Tensor, "tolist", counted):
+        first, second = call(), call()
+        assert len(reads) == 1 and torch.equal(first, second)
+        offs[1] = 32  # in place: rows 16:32 now belong to expert 1 (empty before)
+        moved = call()
+        assert len(reads) == 2
+    deq = CASES["float8_e4m3"][1]
+    assert_gemm_matches(moved[16:32], deq["input"](x[16:32].numpy(), "rowwise"), deq["weight"](w[1], "rowwise").T)
+
+
 def gemm_within(actual, a, b, relative=1e-3):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     error = np.abs(actual.detach().double().numpy() - a @ b)

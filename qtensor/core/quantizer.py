@@ -45,21 +45,52 @@ class RowGroups:
     stack's experts. `lengths` holds each group's rows on the host; on the device, `ends` (given),
     `starts` and `device_lengths`, and where a columnwise copy runs each group on to a multiple of
     `align` columns (zero codes after its rows), `padded` lengths and the `bases` of those runs.
-    Everything on the device is derived from `ends` there: no copy from the host, no sync."""
+    Everything on the device is derived from `ends` there (no copy from the host, no sync), each
+    when first asked for: a grouped GEMM's host time is mostly such small launches."""
 
     def __init__(self, lengths: tuple[int, ...], ends: torch.Tensor, align: int = 1, bases: torch.Tensor | None = None):
-        self.lengths, self.align = tuple(lengths), align
-        self.padded = tuple(-(-n // align) * align for n in self.lengths)
-        self.ends = ends.long()
-        self.device_lengths = torch.diff(self.ends, prepend=self.ends.new_zeros(1))
-        self.starts = self.ends - self.device_lengths
-        padded_lengths = (self.device_lengths + align - 1) // align * align
-        self.padded_ends = torch.cumsum(padded_lengths, 0)
-        self.bases = bases if bases is not None else self.padded_ends - padded_lengths
+        self.lengths, self.align, self.ends = tuple(lengths), align, ends
+        if bases is not None:
+            self.bases = bases
+        self._aligned: dict[int, RowGroups] = {align: self}
+
+    @functools.cached_property
+    def padded(self) -> tuple[int, ...]:
+        return self.lengths if self.align == 1 else tuple(-(-n // self.align) * self.align for n in self.lengths)
+
+    @functools.cached_property
+    def device_lengths(self) -> torch.Tensor:
+        return torch.diff(self.ends, prepend=self.ends.new_zeros(1)).long()
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        return self.ends.long() - self.device_lengths
+
+    @functools.cached_property
+    def padded_ends(self) -> torch.Tensor:
+        if self.align == 1:
+            return self.ends.long()
+        return torch.cumsum((self.device_lengths + self.align - 1) // self.align * self.align, 0)
+
+    @functools.cached_property
+    def bases(self) -> torch.Tensor:
+        """Where each group's padded run starts."""
+        return self.padded_ends - (self.device_lengths + self.align - 1) // self.align * self.align
+
+    def aligned(self, align: int) -> RowGroups:
+        """These groups with columnwise runs of multiples of `align`, sharing what both derive alike
+        (made once per alignment)."""
+        if align not in self._aligned:
+            other = RowGroups(self.lengths, self.ends, align=align)
+            other.__dict__.update({name: self.__dict__[name] for name in ("device_lengths", "starts") if name in self.__dict__})
+            other._aligned = self._aligned
+            self._aligned[align] = other
+        return self._aligned[align]
 
     def offsets(self, padded: bool) -> torch.Tensor:
         """int32 group ends on the device, of the rows or of the padded runs: a grouped GEMM's `offs`."""
-        return (self.padded_ends if padded else self.ends).to(torch.int32)
+        ends = self.padded_ends if padded else self.ends
+        return ends if ends.dtype == torch.int32 else ends.to(torch.int32)
 
     def of_rows(self) -> torch.Tensor:
         """The group of every row, on the device."""

@@ -90,8 +90,7 @@ def cast_rows(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, colu
     each group cast as one tensor by `quantizer`; None for a direction not asked."""
     if not (rowwise or columnwise):
         return None, None
-    if groups.align != ALIGN:
-        groups = RowGroups(groups.lengths, groups.ends, align=ALIGN)
+    groups = groups.aligned(ALIGN)
     x = x if x.stride(-1) == 1 else x.contiguous()
     tensor_scaled = quantizer.grouped_scaling() == "tensor"
     amaxes = _column_amax(x, groups, rows=rowwise and not tensor_scaled)

@@ -28,6 +28,7 @@ blocks along the rows (the columnwise copies wgrad reads) run over the group's r
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import replace
 
 import torch
@@ -62,7 +63,7 @@ def stack_orientation(module) -> bool:
 def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`grouped_mm(x, stack as [experts, in, out], offs=offs)`: rows `offs[e - 1]:offs[e]` through
     expert e's quantized linear; rows past `offs[-1]` zero."""
-    ends = [int(end) for end in offs.tolist()]
+    ends = _host_ends(offs)
     if len(ends) != stack.shape[0] or any(b < a for a, b in zip([0, *ends], ends)) or (ends and ends[-1] > x.shape[0]):
         raise ValueError(
             f"{stack.linear_quantizers.name or 'An expert stack'}: grouped GEMM offsets {ends} must be {stack.shape[0]} "
@@ -87,6 +88,25 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
 def _reduces_over_ranks(linear) -> bool:
     group = linear.layers()[0].running.group()
     return group is not None and torch.distributed.get_world_size(group) > 1
+
+
+# The group ends last read to the host: (the offsets tensor, its version, the ends). A mixture of
+# experts' two grouped GEMMs (gate_up, then down) share one `offs`; the second reads the ends kept
+# here instead of waiting for the GPU again (`offs.tolist()` is a sync: the host stops launching
+# until the GPU has caught up, and the GPU then idles while the next casts are launched).
+_last_ends: tuple = (None, -1, [])
+
+
+def _host_ends(offs: torch.Tensor) -> list[int]:
+    global _last_ends
+    if offs.is_inference():  # no version counter to tell an in-place change by
+        return [int(end) for end in offs.tolist()]
+    kept, version, ends = _last_ends
+    if kept is not None and kept() is offs and version == offs._version:
+        return ends
+    ends = [int(end) for end in offs.tolist()]
+    _last_ends = (weakref.ref(offs), offs._version, ends)
+    return ends
 
 
 @torch.compiler.disable

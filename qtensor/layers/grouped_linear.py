@@ -227,7 +227,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
 def _aligned(groups: RowGroups, linear: LinearQuantizers) -> RowGroups:
     """`groups` with each group's columnwise run a whole number of the format's blocks of rows."""
     block = linear.input.group_block_rows()
-    return groups if groups.align == block else RowGroups(groups.lengths, groups.ends, align=block)
+    return groups.aligned(block)
 
 
 def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
