@@ -103,6 +103,7 @@ def _host_ends(offs: torch.Tensor) -> list[int]:
         return [int(end) for end in offs.tolist()]
     kept, version, ends = _last_ends
     if kept is not None and kept() is offs and version == offs._version:
+        _last_ends = (None, -1, [])  # used once: the layer's second GEMM; nothing stale outlives it
         return ends
     ends = [int(end) for end in offs.tolist()]
     _last_ends = (weakref.ref(offs), offs._version, ends)

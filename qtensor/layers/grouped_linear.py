@@ -305,6 +305,7 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out
         grouped = _casts_groups_at_once(linear, stack) or _pads_groups(linear, stack, in_out)
         if groups and grouped:
             lengths = tuple(end - start for start, end in zip([0, *ends], ends))
-            device_ends = offs.to(x.device) if offs is not None else torch.tensor(ends, device=x.device)
+            # A copy: the backward derives from these ends, whatever the caller writes into its offsets after.
+            device_ends = offs.to(x.device, torch.int32, copy=True) if offs is not None else torch.tensor(ends, device=x.device)
             return grouped.apply(x, stack, RowGroups(lengths, device_ends), linear, needs, in_out)
         return GroupedLinearFunction.apply(x, stack, groups, linear, needs, in_out)
