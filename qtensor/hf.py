@@ -143,7 +143,7 @@ class QTensorHfQuantizer(HfQuantizer):
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         """True for the weight of a layer quantize_ prepared: its checkpoint tensor is cast on load;
-        for a saved quantized model, for the placeholder of a quantized weight (see `_with_placeholders`)."""
+        for a saved quantized model, for the placeholder of a quantized weight (see `hf_files.with_placeholders`)."""
         if self.pre_quantized:
             return param_name in getattr(self, "placeholders", {})
         module_path, _, attribute = param_name.rpartition(".")
@@ -188,8 +188,9 @@ class QTensorHfQuantizer(HfQuantizer):
             stored = {as_model(name) for name in stored}
             # Each placeholder loads as an empty stand-in for its weight (param_needs_quantization lets
             # its shape differ); the weight is made again, then given its bytes, after loading.
-            self.placeholders = {name: model.get_parameter(name) for name in map(as_model, placeholders)}
-            self.placeholders = {name: (p.shape, p.dtype, p.requires_grad) for name, p in self.placeholders.items()}
+            self.placeholders = {
+                name: (p.shape, p.dtype, p.requires_grad) for name in map(as_model, placeholders) for p in [model.get_parameter(name)]
+            }
             owned = {name for name in stored if name in entries or any(key in entries for key in checkpoint.entry_prefixes(name))}
             exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(owned)
@@ -225,7 +226,7 @@ class QTensorHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         if not self.pre_quantized:
             save_running_state(model, True)
-            _add_to_report(model.qtensor_report, self._quantize(model, stacks=True))
+            model.qtensor_report.merge(self._quantize(model, stacks=True))  # the stacks' pass over the first
             _warn_if_mostly_high_precision(model)
             return model
         for name, (shape, dtype, requires_grad) in getattr(self, "placeholders", {}).items():
@@ -287,11 +288,6 @@ class _FillQuantizedWeight(ConversionOps):
         module_path, _, attribute = full_layer_name.rpartition(".")
         module = model.get_submodule(module_path)
         return {full_layer_name: fill_weight(module, attribute, value)}
-
-
-def _add_to_report(report, stacks_report) -> None:
-    """The report of the pass that quantized the expert stacks, over the first pass's."""
-    report.merge(stacks_report)
 
 
 def _warn_if_mostly_high_precision(model) -> None:
