@@ -4,8 +4,9 @@
 `qtensor.hf` has registered it. `import qtensor` calls `register_with_transformers()`: where
 `transformers` is already imported, `qtensor.hf` is imported at once; where it is installed but not
 yet imported, a finder on `sys.meta_path` imports `qtensor.hf` right after `transformers` itself has
-been imported, so a process that never imports transformers pays nothing for it. Where neither
-applies (transformers not installed), nothing happens.
+been executed (a probe that only finds its spec leaves the finder in place), so a process that
+never imports transformers pays nothing for it. Where neither applies (transformers not
+installed), nothing happens.
 """
 
 from __future__ import annotations
@@ -44,20 +45,29 @@ def _register() -> None:
 
 class _AfterTransformers(importlib.abc.MetaPathFinder):
     """Finds `transformers` through the other finders and has its module register qtensor once it
-    has been executed. It removes itself at its first use."""
+    has been executed. A spec only asked for (`importlib.util.find_spec("transformers")`, as
+    libraries probe for it) executes nothing, so the finder stays until transformers is imported."""
+
+    def __init__(self):
+        self._finding = False  # its own search for the spec must not come back to it
 
     def find_spec(self, name, path=None, target=None):
-        if name != "transformers":
+        if name != "transformers" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
 
         def execute_then_register(module):
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             execute(module)
             _register()
 
-        spec.loader.exec_module = execute_then_register
+        spec.loader.exec_module = execute_then_register  # this spec's own loader, made for this search
         return spec

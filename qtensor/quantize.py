@@ -173,7 +173,11 @@ def _other_weight_matrices(model: nn.Module, seen: set) -> dict[str, tuple[str, 
         for attribute, param in module.named_parameters(recurse=False):
             if param.dim() < 2 or (id(module), attribute) in seen:
                 continue
-            if param.dim() > 2:  # more than one dimension of experts, or an integer stack
+            if isinstance(module, nn.modules.conv._ConvNd):
+                found[_join(module_name, attribute)] = (
+                    f"a convolution ({type(module).__name__}): its weight {list(param.shape)} stays in high precision ({_SUPPORTED})", False,
+                )
+            elif param.dim() > 2:  # more than one dimension of experts, or an integer stack
                 found[_join(module_name, attribute)] = (experts.unquantized_stack_reason(module, param), False)
             elif isinstance(module, EMBEDDINGS):
                 found[module_name] = ("an embedding table: a lookup, not a matrix multiplication", True)

@@ -487,3 +487,25 @@ def test_qtensor_trainer_refuses_to_train_under_accelerates_fsdp2(checkpoint, tm
             trainer.train()
     finally:
         state.fsdp_plugin = before
+
+
+_PROBE_THEN_IMPORT = """
+import importlib.util, sys
+import qtensor
+assert "transformers" not in sys.modules  # import qtensor alone imports no transformers
+assert importlib.util.find_spec("transformers") is not None  # a library probing for it
+assert "transformers" not in sys.modules and "qtensor.hf" not in sys.modules
+import transformers.quantizers.auto as auto
+print("qtensor" in auto.AUTO_QUANTIZER_MAPPING, "qtensor" in auto.AUTO_QUANTIZATION_CONFIG_MAPPING)
+"""
+
+
+def test_a_probe_for_transformers_before_its_import_keeps_the_registration():
+    """Libraries probe with `importlib.util.find_spec("transformers")` before importing it: the
+    probe must not use up the hook `import qtensor` leaves, so the later import still registers."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _PROBE_THEN_IMPORT], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True"], result.stdout

@@ -250,6 +250,21 @@ def test_report_names_every_weight_matrix_left_in_high_precision():
     assert "5 skipped" in str(report)
 
 
+def test_a_torch_convolution_is_no_expert_stack():
+    """nn.Conv1d's weight is 3-D, like an expert stack, but the module convolves: it is reported as a
+    convolution kept in high precision (which strict=True refuses), and it computes what it did."""
+    model = nn.Sequential(nn.Conv1d(16, 32, 3), nn.Flatten(), nn.Linear(32 * 6, 16))
+    x = torch.randn(2, 16, 8)
+    expected = model[0](x)
+    report = qtensor.quantize_(model, qtensor.recipes.float8_current())
+    assert set(report.quantized) == {"2"}
+    assert report.skipped["0.weight"].startswith("a convolution (Conv1d): its weight [32, 16, 3]")
+    assert type(model[0].weight) is nn.Parameter
+    torch.testing.assert_close(model[0](x), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="0.weight: a convolution"):
+        qtensor.quantize_(nn.Sequential(nn.Conv1d(16, 32, 3)), qtensor.recipes.float8_current(), strict=True)
+
+
 def test_strict_refuses_linear_layers_that_stay_in_high_precision_and_changes_nothing():
     model = mixed_model()
     before = {name: type(p) for name, p in model.named_parameters()}

@@ -138,7 +138,10 @@ def _joined(pieces, x, stack, missing_rows: int, in_out: bool) -> torch.Tensor:
 
 def stacks_of(module) -> list[tuple[str, int, int, int, bool]]:
     """The expert stacks `module` itself holds: (attribute, experts, in_features, out_features,
-    stored [in, out]) of every 3-D floating-point parameter."""
+    stored [in, out]) of every 3-D floating-point parameter. A convolution's 3-D weight (nn.Conv1d)
+    is no stack of experts."""
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return []
     found = []
     for attribute, param in module.named_parameters(recurse=False):
         if param.dim() == 3 and param.dtype.is_floating_point:
