@@ -116,7 +116,10 @@ def run(out):
         sharded.register_forward_pre_hook(lambda module, args: unsharded.update(
             {n: (type(p).__name__, sorted({str(t.dtype) for t in getattr(p, "stacked", {}).values()})) for n, p in module.named_parameters()}
         ))
-        single_losses, sharded_losses = train(single, micro_batches=micro_batches), train(sharded, micro_batches=micro_batches)
+        single_losses = train(single, micro_batches=micro_batches)
+        qtensor.distributed.fsdp.gather_stats(reset=True)
+        sharded_losses = train(sharded, micro_batches=micro_batches)
+        stats = qtensor.distributed.fsdp.gather_stats(reset=True)
         reloaded = None
         if weights == "quantized":  # the stacks' values after the steps, each expert as its bytes give it
             reloaded = round_trips(sharded, single, recipe, os.path.join(os.path.dirname(out), f"{recipe}.safetensors"))
@@ -128,7 +131,7 @@ def run(out):
         results[name] = dict(
             single=single_losses, sharded=sharded_losses, gathered=gathered, expected=expected,
             types={name: type(p._local_tensor).__name__ for name, p in sharded.named_parameters()}, unsharded=unsharded,
-            reloaded=reloaded,
+            reloaded=reloaded, gathered_bytes=(stats["bytes"], stats["bf16_bytes"]),
             histories=(histories(single), histories(sharded)) if weights == "dynamic" else ({}, {}),
         )
     if dist.get_rank() == 0:

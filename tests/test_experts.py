@@ -574,10 +574,11 @@ def gemm_within(actual, a, b, relative=1e-3):
 
 
 def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
-    """FSDP2 over 2 gloo ranks shards a dynamic stack along its experts and gathers its values for
-    each use (a gather of the stack's high-precision values: its casts, one per expert, run on the
-    gathered stack), and a stack held quantized as whole experts, gathered as their codes and scales
-    (MasterWeights casting each expert of a shard on its own); three steps of each recipe end where
+    """FSDP2 over 2 gloo ranks shards a dynamic stack along its experts, each rank casting its own
+    experts (each on its own) and gathering their codes and scales (with delayed scaling, whose
+    state is per expert, the stack's high-precision values, cast after the gather), and a stack held
+    quantized as whole experts, gathered as their codes and scales (MasterWeights casting each
+    expert of a shard on its own); three steps of each recipe end where
     one process ends. A sharded stack held quantized saves whole (save_model gathers its experts'
     bytes) into a file that loads into one process and into a sharded model. With delayed scaling
     every expert's amax histories end equal too, also with two micro-batches a step: a gather of new
@@ -596,9 +597,17 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
         for name, history in single_histories.items():
             assert torch.equal(sharded_histories[name], history), (recipe, name)
         assert set(result["types"].values()) == {"QuantizedStack" if recipe.endswith("quantized") else "DynamicWeight"}, recipe
-        if recipe.endswith("quantized"):  # gathered as the experts' codes and scales, never their values
+        # Gathered as the experts' codes and scales, never their values: a stack held quantized, and a
+        # dynamic one whose experts keep no running state (each rank casts its own experts).
+        if not recipe.startswith("float8_delayed"):
             for kind, dtypes in result["unsharded"].values():
                 assert kind == "QuantizedStack" and any("float8" in d for d in dtypes) and "torch.bfloat16" not in dtypes, (recipe, dtypes)
+        else:
+            assert {kind for kind, _ in result["unsharded"].values()} == {"DynamicWeight"}, recipe
+        sent, bf16 = result["gathered_bytes"]  # what the gathers sent, and the same shards in bf16
+        if recipe.startswith("nvfp4"):  # two copies of 4-bit codes with their scales
+            assert 0 < sent < 0.6 * bf16, (sent, bf16)
+        if recipe.endswith("quantized"):
             # save_model of the sharded model loads into one process with its bytes, and back into a sharded model.
             assert result["reloaded"] == (True, True), recipe
         np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5, err_msg=recipe)

@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..distributed import fsdp, fsdp_state
-from . import traced_state
+from . import quantized_stack, traced_state
 from ..core import running_state
 from ..core.kernels import is_fake
 from .config import LinearQuantizers
@@ -196,6 +196,12 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         sharding = self._note_fsdp(mesh, module)
         linear = self.linear_quantizers
+        if self.dim() == 3 and quantized_stack.gathers_as_experts(linear, outer_size, mesh):
+            stack = self._quantized_experts(mp_policy.param_dtype)
+            inputs, metadata = stack.fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+            if torch._C._current_graph_task_id() != -1 and fsdp_state.trains(self, sharding.param_group):
+                self.shard_cast = None  # as below: the re-gather before the backward is the cast's last use
+            return inputs, ("experts", outer_size, (stack, metadata))
         # The weight role in high precision, or a Conv1D's [in, out] weight: FSDP2 shards it along
         # in_features, across the rows of what the GEMM reads, so it gathers its high-precision
         # values and is quantized at use, as on one process.
@@ -218,6 +224,9 @@ class DynamicWeight(LayerWeight, torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         plan, outer_size, quantized = metadata
+        if plan == "experts":  # the shard's experts as a QuantizedStack: the gathered stack is one too
+            stack, stack_metadata = quantized
+            return stack.fsdp_post_all_gather(all_gather_outputs, stack_metadata, param_dtype, out=out)
         if plan is None:
             (gathered,) = all_gather_outputs
             values = gathered[: outer_size[0]].reshape(outer_size).to(param_dtype)
@@ -274,15 +283,26 @@ class DynamicWeight(LayerWeight, torch.Tensor):
         self.shard_cast = ShardCast(key, quantized, reduced)
         return quantized
 
+    def _quantized_experts(self, param_dtype: torch.dtype | None):
+        """The local shard of a stack, whole experts, as a QuantizedStack (each expert cast on its own
+        in both directions), once per version of the values, from `param_dtype` as `_quantized_shard`."""
+        key = self._shard_key(param_dtype or self._data.dtype)
+        if self.shard_cast is None or self.shard_cast.key != key:
+            values = self._data if param_dtype is None else self._data.to(param_dtype)
+            with autocast_off(values.device.type):
+                self.shard_cast = ShardCast(key, quantized_stack.quantized_stack(values, self.linear_quantizers))
+        return self.shard_cast.quantized
+
     def _shard_key(self, dtype: torch.dtype) -> tuple:
         """What the cast of the local shard depends on: the values' version and dtype, and the
         weight quantizer's running state."""
         return (self.values_version(), dtype, self.linear_quantizers.weight.state_version())
 
     def _casts_shard(self) -> bool:
-        """Whether FSDP2's hook quantizes this shard (else it gathers high-precision values). An expert
-        stack gathers its values: each expert's cast is its own, which a cast of a shard of experts
-        as one matrix would not be."""
+        """Whether FSDP2's hook quantizes this shard as one matrix (else it gathers high-precision
+        values). Not an expert stack: each expert's cast is its own, which a cast of a shard of
+        experts as one matrix would not be (a stack gathers its experts' casts where
+        `quantized_stack.gathers_as_experts`, else its values)."""
         linear = self.linear_quantizers
         return linear.weight is not None and not linear.transposed and self.dim() == 2
 

@@ -31,6 +31,7 @@ from ..core import tensor as core_tensor
 from ..core.numerics import sharded_cast
 from ..core.quantizer import GroupedOperand
 from ..core.tensor import QuantizedTensor
+from ..distributed import fsdp
 from .config import LinearQuantizers
 from .weight import LayerWeight, quantized_weight
 
@@ -151,7 +152,9 @@ class QuantizedStack(LayerWeight, torch.Tensor):
             )
         owners = _owners(self.stacked)
         sent = [key for key in self.stacked if owners[key] == key]  # each buffer once (one both directions share)
-        return tuple(self.stacked[key] for key in sent), (sent, owners, ExpertLayout.of(self.experts[0]), outer_size, outer_stride)
+        inputs = tuple(self.stacked[key] for key in sent)
+        fsdp.count_gather(inputs, mesh, outer_size)
+        return inputs, (sent, owners, ExpertLayout.of(self.experts[0]), outer_size, outer_stride)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         sent, owners, layout, outer_size, outer_stride = metadata
@@ -185,6 +188,18 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         layout, linear = context
         stacked = {tuple(key.split("__", 1)): tensor for key, tensor in inner_tensors.items()}
         return _over_stacked(stacked, layout, linear, shape=outer_size, stride=outer_stride)
+
+
+def gathers_as_experts(linear: LinearQuantizers, outer_size, mesh) -> bool:
+    """Whether FSDP2 gathers a dynamic stack's shard as a `QuantizedStack` of its experts' bytes
+    (DynamicWeight.fsdp_pre_all_gather): each rank casts its own whole experts, each on its own, as
+    one process casts them, and the gathered stack multiplies as a held one does. That needs
+    experts split evenly over the mesh (FSDP2 pads an uneven split), no running state per expert
+    (delayed scaling's, kept by the one-process cast) and no backward override (whose backward
+    reads the original values): such a stack gathers its values instead."""
+    if linear.weight is None or linear.experts or linear.backward_override is not None:
+        return False
+    return mesh.size() > 1 and outer_size[0] % mesh.size() == 0
 
 
 def quantized_stack(values: torch.Tensor, linear: LinearQuantizers) -> QuantizedStack:
