@@ -91,6 +91,31 @@ def round_trips(sharded, single, recipe, path):
     return same_bytes, same_output
 
 
+def through_dcp(sharded, recipe, weights, path):
+    """torch.distributed.checkpoint over the ranks: the sharded model's state_dict saved, loaded into a
+    freshly sharded model of the same recipe and weight mode, whose output then equals the saved
+    model's (True where bit for bit)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    dcp.save(sharded.state_dict(), checkpoint_id=path)
+    device = next(sharded.parameters()).device
+    fresh = Experts().to(device)
+    with torch.no_grad():  # other values than the saved ones, so that a load that does nothing shows
+        for p in fresh.parameters():
+            p.mul_(-1)
+    qtensor.quantize_(fresh, getattr(qtensor.recipes, recipe)(), weights=weights)
+    fully_shard(fresh)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    x, offs = torch.randn(64, 32, generator=torch.Generator().manual_seed(9)).to(device), torch.tensor([16, 16, 48, 64], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        equal = torch.equal(fresh(x, offs), sharded(x, offs))
+    sharded.reshard()  # FSDP2 leaves the root unsharded after a forward
+    return equal
+
+
 def dist_gather(local):
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, local.contiguous())
@@ -121,6 +146,10 @@ def run(out):
         sharded_losses = train(sharded, micro_batches=micro_batches)
         stats = qtensor.distributed.fsdp.gather_stats(reset=True)
         reloaded = None
+        # Under delayed scaling a forward records amaxes: two models compare only after the same steps.
+        dcp_equal = None if recipe == "float8_delayed" else through_dcp(
+            sharded, recipe, weights, os.path.join(os.path.dirname(out), f"dcp_{name.replace(', ', '_').replace(' ', '_')}"),
+        )
         if weights == "quantized":  # the stacks' values after the steps, each expert as its bytes give it
             reloaded = round_trips(sharded, single, recipe, os.path.join(os.path.dirname(out), f"{recipe}.safetensors"))
             gathered = {name: torch.cat(dist_gather(p.to_local().dequantize())) for name, p in sharded.named_parameters()}
@@ -131,7 +160,7 @@ def run(out):
         results[name] = dict(
             single=single_losses, sharded=sharded_losses, gathered=gathered, expected=expected,
             types={name: type(p._local_tensor).__name__ for name, p in sharded.named_parameters()}, unsharded=unsharded,
-            reloaded=reloaded, gathered_bytes=(stats["bytes"], stats["bf16_bytes"]),
+            reloaded=reloaded, dcp_equal=dcp_equal, gathered_bytes=(stats["bytes"], stats["bf16_bytes"]),
             histories=(histories(single), histories(sharded)) if weights == "dynamic" else ({}, {}),
         )
     if dist.get_rank() == 0:
