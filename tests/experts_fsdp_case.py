@@ -23,16 +23,24 @@ RECIPES = {  # name: (recipe, micro-batches a step, weights); float8_rowwise cas
     # stacks held quantized: shards of whole experts, gathered as their low-precision bytes
     "float8_current, quantized": ("float8_current", 1, "quantized"), "float8_rowwise, quantized": ("float8_rowwise", 1, "quantized"),
     "mxfp8, quantized": ("mxfp8", 2, "quantized"),
+    # 3 experts over 2 ranks: FSDP2's shards of 2 and 1 experts, gathered packed into the padded shard's shape
+    "float8_rowwise, quantized, 3 experts": ("float8_rowwise", 1, "quantized", 3),
+    "nvfp4, 3 experts": ("nvfp4", 1, "dynamic", 3),
 }
 
 
 class Experts(nn.Module):
+    """64 rows in groups by expert (one of them empty with 4 experts)."""
+
+    ENDS = {4: [16, 16, 48, 64], 3: [16, 40, 64], 1: [64]}
+
     def __init__(self, experts=4, hidden=32, width=48):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * width, hidden) / hidden**0.5)
         self.down_proj = nn.Parameter(torch.randn(experts, hidden, width) / width**0.5)
 
-    def forward(self, x, offs):
+    def forward(self, x):
+        offs = torch.tensor(self.ENDS[self.down_proj.shape[0]], dtype=torch.int32, device=x.device)
         gate, up = F.grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
 
@@ -44,12 +52,11 @@ def train(model, steps=3, micro_batches=1):
         optimizer = qtensor.optim.MasterWeights(optimizer)
     generator = torch.Generator().manual_seed(5)
     device = next(model.parameters()).device
-    offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32, device=device)
     losses = []
     for _ in range(steps):
         for _ in range(micro_batches):
             x = torch.randn(64, 32, generator=generator).to(device)
-            loss = model(x, offs).square().mean()
+            loss = model(x).square().mean()
             loss.backward()
             losses.append(loss.item())
         optimizer.step()
@@ -71,23 +78,23 @@ def round_trips(sharded, single, recipe, path):
     with the one-process model's bytes, and back into a freshly sharded model, whose output is then
     the one-process model's: (bytes equal, outputs equal)."""
     qtensor.save_model(sharded, path)
-    device = next(single.parameters()).device
-    one = Experts().to(device)
+    device, experts = next(single.parameters()).device, single.down_proj.shape[0]
+    one = Experts(experts).to(device)
     qtensor.quantize_(one, getattr(qtensor.recipes, recipe)(), weights="quantized")
     qtensor.load_model(one, path)
     same_bytes = all(
         torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         for name, p in single.named_parameters() for a, b in zip(p.stacked.values(), one.get_parameter(name).stacked.values())
     )
-    again = Experts().to(device)
+    again = Experts(experts).to(device)
     qtensor.quantize_(again, getattr(qtensor.recipes, recipe)(), weights="quantized")
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(again)
     qtensor.load_model(again, path)
-    x, offs = torch.randn(64, 32, generator=torch.Generator().manual_seed(9)).to(device), torch.tensor([16, 16, 48, 64], dtype=torch.int32, device=device)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(9)).to(device)
     with torch.no_grad():
-        same_output = torch.equal(again(x, offs), single(x, offs))
+        same_output = torch.equal(again(x), single(x))
     return same_bytes, same_output
 
 
@@ -99,8 +106,8 @@ def through_dcp(sharded, recipe, weights, path):
     from torch.distributed.fsdp import fully_shard
 
     dcp.save(sharded.state_dict(), checkpoint_id=path)
-    device = next(sharded.parameters()).device
-    fresh = Experts().to(device)
+    device, experts = next(sharded.parameters()).device, sharded.down_proj.shape[0]
+    fresh = Experts(experts).to(device)
     with torch.no_grad():  # other values than the saved ones, so that a load that does nothing shows
         for p in fresh.parameters():
             p.mul_(-1)
@@ -109,17 +116,21 @@ def through_dcp(sharded, recipe, weights, path):
     state = fresh.state_dict()
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state)
-    x, offs = torch.randn(64, 32, generator=torch.Generator().manual_seed(9)).to(device), torch.tensor([16, 16, 48, 64], dtype=torch.int32, device=device)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(9)).to(device)
     with torch.no_grad():
-        equal = torch.equal(fresh(x, offs), sharded(x, offs))
+        equal = torch.equal(fresh(x), sharded(x))
     sharded.reshard()  # FSDP2 leaves the root unsharded after a forward
     return equal
 
 
-def dist_gather(local):
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, local.contiguous())
-    return pieces
+def dist_gather(local, experts):
+    """The whole stack from every rank's experts (FSDP2's chunks: the last may hold fewer)."""
+    padded = -(-experts // dist.get_world_size())
+    mine = local.new_zeros((padded, *local.shape[1:]))
+    mine[: local.shape[0]] = local
+    pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, mine)
+    return torch.cat(pieces)[:experts]
 
 
 def run(out):
@@ -130,9 +141,10 @@ def run(out):
     if DEVICE == "cuda":
         torch.cuda.set_device(device)
     results = {}
-    for name, (recipe, micro_batches, weights) in RECIPES.items():
+    for name, (recipe, micro_batches, weights, *count) in RECIPES.items():
+        experts = count[0] if count else 4
         torch.manual_seed(0)
-        plain = Experts().to(device)
+        plain = Experts(experts).to(device)
         single, sharded = copy.deepcopy(plain), copy.deepcopy(plain)
         for model in (single, sharded):
             qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights)
@@ -152,7 +164,7 @@ def run(out):
         )
         if weights == "quantized":  # the stacks' values after the steps, each expert as its bytes give it
             reloaded = round_trips(sharded, single, recipe, os.path.join(os.path.dirname(out), f"{recipe}.safetensors"))
-            gathered = {name: torch.cat(dist_gather(p.to_local().dequantize())) for name, p in sharded.named_parameters()}
+            gathered = {name: dist_gather(p.to_local().dequantize(), experts) for name, p in sharded.named_parameters()}
             expected = {name: p.dequantize() for name, p in single.named_parameters()}
         else:
             gathered = {name: p.full_tensor().detach().clone() for name, p in sharded.named_parameters()}
@@ -163,6 +175,14 @@ def run(out):
             reloaded=reloaded, dcp_equal=dcp_equal, gathered_bytes=(stats["bytes"], stats["bf16_bytes"]),
             histories=(histories(single), histories(sharded)) if weights == "dynamic" else ({}, {}),
         )
+    # One expert over two ranks leaves a rank none: refused for a stack held quantized, saying so.
+    lonely = Experts(1).to(device)
+    qtensor.quantize_(lonely, qtensor.recipes.float8_rowwise(), weights="quantized")
+    try:
+        fully_shard(lonely)
+        results["no expert on a rank"] = "accepted"
+    except NotImplementedError as error:
+        results["no expert on a rank"] = str(error)
     if dist.get_rank() == 0:
         to_cpu = lambda value: value.cpu() if isinstance(value, torch.Tensor) else value
         from torch.utils._pytree import tree_map

@@ -29,11 +29,9 @@ from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
 from ..core.ops import mark_scales, scales_agreed
 from ..core.quantizer import autocast_off
 from .fsdp_state import placement_groups
-from .packing import aligned as _aligned, row_buffers as _row_buffers, unpacked_rows
+from .packing import PACK_DTYPES as _PACK_DTYPES, aligned as _aligned, row_buffers as _row_buffers, unpacked_rows
 from ..core.storage import DIRECTIONS, Storage
 from ..core.tensor import QuantizedTensor, rows_per_index, split_rebuilt as _split_rebuilt
-
-_PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 # A diagnostic counter for the whole process, written under a lock: bytes this process handed to
 # FSDP2 all-gathers of qtensor weights, and what bf16 would have sent.

@@ -36,3 +36,45 @@ def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int =
         buffers[spec.name] = raw[offset : offset + nbytes].view(spec.dtype).reshape(spec.shape)
         offset += aligned(nbytes)
     return template.rebuilt(buffers, rows=rows), offset
+
+
+# ---- uneven shards of whole experts (layers/quantized_stack.py) --------------------------------------
+PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def packed_experts(buffers: list[torch.Tensor], padded_shape) -> torch.Tensor:
+    """`buffers` (each `[local experts, ...]`) as one tensor of `padded_shape` (FSDP2's padded shard
+    of a stack, `[padded experts, ...]`, whose shape every all-gather input of an uneven shard must
+    have): each buffer's bytes at its own offset, room for `padded_shape[0]` experts each (zero bytes
+    for the experts this rank lacks), in the smallest integer dtype that holds them all."""
+    padded = padded_shape[0]
+    capacity = sum(aligned(padded * _expert_bytes(b)) for b in buffers)
+    dtype = next(d for d in PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
+    payload = torch.zeros(padded_shape, dtype=dtype, device=buffers[0].device)
+    raw, offset = payload.view(-1).view(torch.uint8), 0
+    for buffer in buffers:
+        if buffer.numel():
+            raw[offset : offset + buffer.nbytes].copy_(buffer.contiguous().reshape(-1).view(torch.uint8))
+        offset += aligned(padded * _expert_bytes(buffer))
+    return payload
+
+
+def unpacked_experts(output: torch.Tensor, templates: list[torch.Tensor], world_size: int, experts: int) -> list[torch.Tensor]:
+    """The gathered buffers `[experts, ...]` from the all-gather output of `packed_experts` payloads
+    (one per rank, each of `padded` experts): every rank's experts cut from its payload, joined,
+    and the padding experts past `experts` dropped. `templates` give each buffer's dtype and shape."""
+    raw = output.reshape(-1).view(torch.uint8)
+    per_rank = raw.numel() // world_size
+    padded = output.shape[0] // world_size
+    counts = [max(0, min(padded, experts - rank * padded)) for rank in range(world_size)]  # each rank's real experts
+    gathered, offset = [], 0
+    for template in templates:
+        each = _expert_bytes(template)
+        pieces = [raw[rank * per_rank + offset : rank * per_rank + offset + count * each] for rank, count in enumerate(counts)]
+        gathered.append(torch.cat(pieces).view(template.dtype).reshape(experts, *template.shape[1:]))
+        offset += aligned(padded * each)
+    return gathered
+
+
+def _expert_bytes(buffer: torch.Tensor) -> int:
+    return math.prod(buffer.shape[1:]) * buffer.element_size()

@@ -31,7 +31,7 @@ from ..core import tensor as core_tensor
 from ..core.numerics import sharded_cast
 from ..core.quantizer import GroupedOperand
 from ..core.tensor import QuantizedTensor
-from ..distributed import fsdp
+from ..distributed import fsdp, packing
 from .config import LinearQuantizers
 from .weight import LayerWeight, quantized_weight
 
@@ -144,21 +144,23 @@ class QuantizedStack(LayerWeight, torch.Tensor):
 
     # ---- FSDP2: a shard of whole experts (stack_ops.py makes the pieces), gathered as its bytes ----
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        if outer_size[0] % mesh.size():
-            raise NotImplementedError(
-                f"{self.linear_quantizers.parameter_name}: FSDP2 shards a stack held quantized by whole experts, evenly; "
-                f"{outer_size[0]} experts do not divide over {mesh.size()} ranks. Use a world size that divides the "
-                "experts, or weights='dynamic'."
-            )
         owners = _owners(self.stacked)
         sent = [key for key in self.stacked if owners[key] == key]  # each buffer once (one both directions share)
         inputs = tuple(self.stacked[key] for key in sent)
+        packed = outer_size[0] % mesh.size() != 0
+        if packed:  # uneven: FSDP2 wants one input of the padded shard's shape, the bytes packed into it
+            inputs = (packing.packed_experts(list(inputs), (-(-outer_size[0] // mesh.size()), *outer_size[1:])),)
         fsdp.count_gather(inputs, mesh, outer_size)
-        return inputs, (sent, owners, ExpertLayout.of(self.experts[0]), outer_size, outer_stride)
+        unpacking = ([self.stacked[key] for key in sent], mesh.size()) if packed else None  # (templates, ranks)
+        return inputs, (sent, owners, ExpertLayout.of(self.experts[0]), outer_size, outer_stride, unpacking)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        sent, owners, layout, outer_size, outer_stride = metadata
-        gathered = dict(zip(sent, all_gather_outputs))
+        sent, owners, layout, outer_size, outer_stride, unpacking = metadata
+        outputs = all_gather_outputs
+        if unpacking is not None:  # packed (uneven shards): each rank's experts cut out, the padding dropped
+            templates, ranks = unpacking
+            outputs = packing.unpacked_experts(all_gather_outputs[0], templates, ranks, outer_size[0])
+        gathered = dict(zip(sent, outputs))
         if out is not None:  # the gathered stack of the first gather, its buffers written again
             for key, values in gathered.items():
                 if out.stacked[key].data_ptr() != values.data_ptr():
@@ -166,7 +168,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
             return None
         stacked = {key: gathered[owner] for key, owner in owners.items()}
         stack = _over_stacked(stacked, layout, self.linear_quantizers, shape=outer_size, stride=outer_stride, dtype=param_dtype)
-        return stack, tuple(all_gather_outputs)
+        return stack, tuple(outputs)
 
     def __deepcopy__(self, memo):
         stacked, linear = copy.deepcopy((self.stacked, self.linear_quantizers), memo)

@@ -147,6 +147,18 @@ def _new_zeros(func, args, kwargs):
     return _over_stacked(stacked, _template(stack), stack.linear_quantizers, shape=size)
 
 
+def _new_empty(func, args, kwargs):
+    """FSDP2 makes an empty piece for a rank that gets no expert (more ranks than experts): refused."""
+    stack = args[0]
+    if func is aten.new_empty.default and list(args[1])[:1] == [0]:
+        raise NotImplementedError(
+            f"{stack.linear_quantizers.parameter_name}: FSDP2 would leave a rank without any of this stack's "
+            f"{stack.shape[0]} experts, which a stack held quantized does not support yet. Shard it over at most "
+            f"{stack.shape[0]} ranks (fully_shard(..., mesh=...)), or quantize the model with weights='dynamic'."
+        )
+    return _refuse_piece(func, args, kwargs)
+
+
 def _refuse_piece(func, args, kwargs):
     """A piece of the stack other than whole experts (a slice of each matrix, a reshaping view):
     refused, since its dequantized values would go on as a high-precision weight."""
@@ -175,7 +187,7 @@ QuantizedStack._ops = {
     aten._unsafe_view.default: _view,
     **dict.fromkeys(
         (aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default),
-        _refuse_piece,
+        _new_empty,
     ),
 }
 
@@ -209,7 +221,8 @@ def _sharding(value) -> tuple:
             f"experts over one mesh dimension (Shard(0)); this one is placed {tuple(value.placements)}."
         )
     group = value.device_mesh.get_group()
-    return group, torch.distributed.get_rank(group) * local.shape[0]
+    padded = -(-value.shape[0] // torch.distributed.get_world_size(group))  # FSDP2's chunks: the last ones may hold fewer
+    return group, torch.distributed.get_rank(group) * padded
 
 
 def _gathered(value) -> QuantizedStack:
@@ -217,12 +230,16 @@ def _gathered(value) -> QuantizedStack:
     experts all-gathered as they are (codes and scales), as a gather for the forward sends them."""
     local = value._local_tensor
     group, _ = _sharding(value)
+    world, experts = torch.distributed.get_world_size(group), value.shape[0]
+    padded = -(-experts // world)
 
-    def gathered(piece):  # as bytes (gloo takes no FP8 dtype)
-        flat = piece.contiguous().reshape(-1).view(torch.uint8)
-        out = flat.new_empty(flat.numel() * torch.distributed.get_world_size(group))
+    def gathered(piece):  # as bytes (gloo takes no FP8 dtype), each rank's experts padded to FSDP2's chunk
+        flat = piece.new_zeros((padded, *piece.shape[1:]))
+        flat[: piece.shape[0]].copy_(piece)
+        flat = flat.reshape(-1).view(torch.uint8)
+        out = flat.new_empty(flat.numel() * world)
         torch.distributed.all_gather_into_tensor(out, flat, group=group)
-        return out.view(piece.dtype).reshape(-1, *piece.shape[1:])
+        return out.view(piece.dtype).reshape(-1, *piece.shape[1:])[:experts]
 
     stacked = map_stacked(local.stacked, gathered)
     return _over_stacked(stacked, _template(local), local.linear_quantizers, shape=value.shape, stride=value.stride())
