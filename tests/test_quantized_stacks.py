@@ -67,6 +67,42 @@ def test_each_expert_is_cast_on_its_own_and_only_low_precision_bytes_are_kept(ca
         np.testing.assert_array_equal((values.t() if transposed else values).numpy(), deq(matrix, "rowwise").astype(np.float32))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("case, whole", [("float8", True), ("float8_rowwise", True), ("mxfp8", True), ("nvfp4", False)])
+def test_a_stack_is_cast_in_one_go_where_the_format_allows_each_expert_with_its_own_scales(case, whole, device):
+    """Float8 (per-tensor or row-wise scales, through the grouped casts) and MXFP8 over experts of
+    whole 32-row blocks (the stack as one matrix) cast every expert of a stack at once, when
+    quantize_ holds it and when MasterWeights writes it again (`requantize`): the weight
+    quantizer's `quantize` runs at most twice (the first expert alone, for the layout, and the
+    stack as one matrix), not once an expert. Each expert still gets its own scales: its two copies
+    are the oracle's cast of its matrix alone. NVFP4, whose scale is per tensor, casts expert by expert."""
+    experts, out_features, in_features = 8, 64, 96
+    generator = torch.Generator().manual_seed(4)
+    magnitudes = torch.logspace(-3, 3, experts)[:, None, None]  # experts of very different magnitudes
+    module = nn.Module()
+    module.down_proj = nn.Parameter((torch.randn(experts, out_features, in_features, generator=generator) * magnitudes).to(device))
+    makers, calls = CASES[case][0], []
+
+    def counting(role):
+        quantizer = makers[role.tensor_type]()
+        if role.tensor_type == "weight":
+            quantize = quantizer.quantize
+            quantizer.quantize = lambda *args, **kwargs: calls.append(1) or quantize(*args, **kwargs)
+        return quantizer
+
+    deq = CASES[case][1]["weight"]
+    for values in (module.down_proj.detach().clone(), (torch.randn(experts, out_features, in_features, generator=generator) * magnitudes.flip(0)).to(device)):
+        calls.clear()
+        if not hasattr(module.down_proj, "requantize"):
+            qtensor.quantize_(module, counting, weights="quantized")
+        else:
+            module.down_proj.requantize(values)
+        assert len(calls) <= 2 if whole else len(calls) >= experts, len(calls)
+        for expert, matrix in zip(module.down_proj.experts, values):
+            for direction in ("rowwise", "columnwise"):
+                np.testing.assert_array_equal(expert.dequantize(torch.float32, direction).cpu().numpy(), deq(matrix.cpu().numpy(), direction).astype(np.float32))
+
+
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_master_weights_train_the_stacks_and_each_step_casts_every_expert_from_its_master(family, implementation):

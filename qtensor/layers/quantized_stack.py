@@ -126,8 +126,14 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         values = values.to(device=self.device)
         matrices = values.transpose(-2, -1) if self.stored_transposed else values  # [E, out, in]
         with sharded_cast((), owner="QuantizedStack.requantize"):
-            for expert, matrix in zip(self.experts, matrices):
-                expert.copy_(matrix)
+            stacked = None if self.linear_quantizers.experts else _cast_at_once(self.linear_quantizers.weight, matrices, self.experts[0])
+            if stacked is None:
+                for expert, matrix in zip(self.experts, matrices):
+                    expert.copy_(matrix)
+                return
+        for key, owner in _owners(self.stacked).items():
+            if owner == key:
+                self.stacked[key].copy_(stacked[key])
 
     def __repr__(self, *, tensor_contents=None):
         return f"QuantizedStack({len(self.experts)} experts of {self.experts[0]!r}, shape={list(self.shape)})"
@@ -209,8 +215,53 @@ def quantized_stack(values: torch.Tensor, linear: LinearQuantizers) -> Quantized
     in both directions by its expert's weight quantizer."""
     matrices = values.detach().transpose(-2, -1) if linear.transposed else values.detach()
     configs = linear.experts or (linear,) * matrices.shape[0]
-    casts = [config.weight.quantize(matrix, rowwise=True, columnwise=True) for config, matrix in zip(configs, matrices)]
-    return _over_stacked(_stacked(casts), casts[0], linear)
+    first = configs[0].weight.quantize(matrices[0], rowwise=True, columnwise=True)
+    stacked = None if linear.experts else _cast_at_once(linear.weight, matrices, first)
+    if stacked is None:
+        casts = [first, *(config.weight.quantize(m, rowwise=True, columnwise=True) for config, m in zip(configs[1:], matrices[1:]))]
+        stacked = _stacked(casts)
+    return _over_stacked(stacked, first, linear)
+
+
+def _cast_at_once(quantizer, matrices: torch.Tensor, like: QuantizedTensor) -> dict | None:
+    """The stacked buffers (as `_stacked` lays them out) of every expert of `matrices` [E, out, in]
+    cast by one `quantizer`, in a few launches for the whole stack, not a few per expert; the bytes
+    each expert's own cast gives. `like` is an expert's cast (its layout). None where no such cast
+    applies: then each expert is cast in turn.
+
+    - Float8 with grouped casts (per-tensor or row-wise scales): `quantize_stack`, which scales each
+      expert (or each row of it) on its own (formats/float8_groups.py);
+    - a format with no tensor-wide scale whose blocks fall within each expert (MXFP8 over experts of
+      whole 32-row blocks): the stack cast as one [E·out, in] matrix, each buffer then split into
+      the experts' rows."""
+    experts, rows, cols = matrices.shape
+    template = _stacked([like])  # one expert's buffers, [1, ...]
+    if getattr(quantizer, "grouped_scaling", lambda: None)() in ("tensor", "row"):
+        row, col = quantizer.quantize_stack(matrices, rowwise=True, columnwise=True)
+        tensor_scaled = quantizer.grouped_scaling() == "tensor"
+        scalar = lambda scale_inv: torch.nn.functional.pad(scale_inv[:, :1], (0, template[("rowwise", "scale_inv")].shape[1] - 1))
+        stacked = {
+            ("rowwise", "data"): row.data, ("columnwise", "data"): col.data,
+            ("rowwise", "scale_inv"): scalar(row.scale_inv) if tensor_scaled else row.scale_inv.reshape(experts, rows, 1),
+            ("columnwise", "scale_inv"): scalar(row.scale_inv) if tensor_scaled else col.scale_inv.reshape(experts, cols, 1),
+        }
+    else:
+        storages = [getattr(like, direction) for direction in ("rowwise", "columnwise")]
+        if any(spec.tensor_wide or spec.entries(rows * experts) != experts * spec.entries(rows) for storage in storages for spec in storage.buffer_specs()):
+            return None
+        whole = quantizer.quantize(matrices.reshape(experts * rows, cols), rowwise=True, columnwise=True)
+        stacked = {}
+        for direction in ("rowwise", "columnwise"):
+            for spec in getattr(whole, direction).buffer_specs():
+                buffer = getattr(getattr(whole, direction), spec.name)
+                shape = list(buffer.shape)
+                shape[spec.row_axis : spec.row_axis + 1] = [experts, shape[spec.row_axis] // experts]
+                stacked[(direction, spec.name)] = buffer.reshape(shape).movedim(spec.row_axis, 0)
+    if any(key not in stacked or stacked[key].shape[1:] != t.shape[1:] or stacked[key].dtype != t.dtype for key, t in template.items()):
+        return None  # a layout this cast does not give: each expert in turn
+    owners = _owners(template)  # a buffer both directions of a cast share stays one tensor
+    owned = {owner: stacked[owner].contiguous() for owner in set(owners.values())}
+    return {key: owned[owner] for key, owner in owners.items()}
 
 
 def _stacked(casts) -> dict:
