@@ -45,21 +45,41 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     # Its ops (layers/stack_ops.py fills them): handler by aten op, and the ops that make views.
     _ops: dict = {}
     _views: frozenset = frozenset()
-    experts: tuple  # each expert's quantized weight, [out, in]
     stacked: dict  # (direction, buffer name) -> [experts, ...]: every expert's buffer, expert e's a view of row e
+    expert_layout: "ExpertLayout"  # what every expert shares
 
     @staticmethod
-    def __new__(cls, experts, stacked: dict, linear: LinearQuantizers, *, shape=None, stride=None, requires_grad=False):
-        first = experts[0]
-        out_features, in_features = first.shape
+    def __new__(cls, experts, stacked: dict, linear: LinearQuantizers, *, shape=None, stride=None, requires_grad=False, layout=None):
+        """Over `experts` (each expert's quantized weight), or with `experts` None over `stacked` and
+        `layout` alone: the experts' weights are then made when first asked for (`experts`), so a
+        stack that a grouped GEMM reads in place, or that FSDP2 gathers, never makes 128 of them."""
+        layout = layout or ExpertLayout.of(experts[0])
+        count = len(experts) if experts is not None else next(iter(stacked.values())).shape[0]
+        out_features, in_features = layout.shape
         if shape is None:
-            shape = (len(experts), in_features, out_features) if linear.transposed else (len(experts), out_features, in_features)
+            shape = (count, in_features, out_features) if linear.transposed else (count, out_features, in_features)
             stride = (shape[1] * shape[2], shape[2], 1)
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, dtype=first.dtype, device=first.device, requires_grad=requires_grad
-        )
-        self.experts, self.stacked, self.linear_quantizers = tuple(experts), stacked, linear
+        device = next(iter(stacked.values())).device
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=layout.dtype, device=device, requires_grad=requires_grad)
+        self._experts = tuple(experts) if experts is not None else None
+        self.stacked, self.linear_quantizers, self.expert_layout = stacked, linear, layout
         return self
+
+    @property
+    def experts(self) -> tuple:
+        """Each expert's quantized weight, [out, in]: views of its row of every stacked buffer."""
+        if self._experts is None:
+            self._experts = tuple(_expert_views(self.stacked, self.expert_layout, self.linear_quantizers, range(self.shape[0])))
+        return self._experts
+
+    def first_expert(self) -> QuantizedTensor:
+        """Expert 0's quantized weight (its storages tell the format's layout), made alone where the
+        others are not made yet."""
+        if self._experts is not None:
+            return self._experts[0]
+        if "_first" not in self.__dict__:
+            self._first = _expert_views(self.stacked, self.expert_layout, self.linear_quantizers, [0])[0]
+        return self._first
 
     def __init__(self, *args, **kwargs):
         pass
@@ -97,7 +117,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         # A tensor scale per expert (stacked [E, 4]: see `_stacked`) or one per row of each ([E, rows, 1]),
         # as one factor per row.
         per_expert = scale_inv.reshape(experts, -1)
-        per_expert = per_expert[:, :1] if getattr(self.experts[0], direction).buffers["scale_inv"].dim() == 0 else per_expert
+        per_expert = per_expert[:, :1] if getattr(self.first_expert(), direction).buffers["scale_inv"].dim() == 0 else per_expert
         return GroupedOperand(data, per_expert.expand(experts, rows).contiguous())
 
     def joined(self) -> QuantizedTensor | None:
@@ -105,7 +125,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         no copy where each buffer's rows come first), where every buffer of both copies follows the
         rows and each expert's rows fill whole entries of it (MXFP8 experts of whole 32-row blocks);
         else None (a tensor-wide scale per expert cannot be one tensor's)."""
-        first, count = self.experts[0], len(self.experts)
+        first, count = self.first_expert(), self.shape[0]
         rows = first.shape[0]
         storages = {}
         for direction in ("rowwise", "columnwise"):
@@ -126,7 +146,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         values = values.to(device=self.device)
         matrices = values.transpose(-2, -1) if self.stored_transposed else values  # [E, out, in]
         with sharded_cast((), owner="QuantizedStack.requantize"):
-            stacked = None if self.linear_quantizers.experts else _cast_at_once(self.linear_quantizers.weight, matrices, self.experts[0])
+            stacked = None if self.linear_quantizers.experts else _cast_at_once(self.linear_quantizers.weight, matrices, self.first_expert())
             if stacked is None:
                 for expert, matrix in zip(self.experts, matrices):
                     expert.copy_(matrix)
@@ -136,7 +156,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
                 self.stacked[key].copy_(stacked[key])
 
     def __repr__(self, *, tensor_contents=None):
-        return f"QuantizedStack({len(self.experts)} experts of {self.experts[0]!r}, shape={list(self.shape)})"
+        return f"QuantizedStack({self.shape[0]} experts of {self.first_expert()!r}, shape={list(self.shape)})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -158,7 +178,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
             inputs = (packing.packed_experts(list(inputs), (-(-outer_size[0] // mesh.size()), *outer_size[1:])),)
         fsdp.count_gather(inputs, mesh, outer_size)
         unpacking = ([self.stacked[key] for key in sent], mesh.size()) if packed else None  # (templates, ranks)
-        return inputs, (sent, owners, ExpertLayout.of(self.experts[0]), outer_size, outer_stride, unpacking)
+        return inputs, (sent, owners, self.expert_layout, outer_size, outer_stride, unpacking)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         sent, owners, layout, outer_size, outer_stride, unpacking = metadata
@@ -178,7 +198,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
 
     def __deepcopy__(self, memo):
         stacked, linear = copy.deepcopy((self.stacked, self.linear_quantizers), memo)
-        duplicate = _over_stacked(stacked, self.experts[0], linear, shape=self.shape, stride=self.stride())
+        duplicate = _over_stacked(stacked, self.expert_layout, linear, shape=self.shape, stride=self.stride())
         duplicate.requires_grad_(self.requires_grad)
         duplicate.__dict__.update({k: v for k, v in self.__dict__.items() if k == "_is_param"})
         return duplicate
@@ -330,24 +350,29 @@ class ExpertLayout(NamedTuple):
 
 
 def _template(stack: QuantizedStack) -> ExpertLayout:
-    return ExpertLayout.of(stack.experts[0])
+    return stack.expert_layout
 
 
 def _over_stacked(stacked: dict, layout, linear: LinearQuantizers, *, shape=None, stride=None, dtype=None) -> QuantizedStack:
-    """A stack whose experts are views of row e of every stacked buffer (a buffer both directions share
-    stays one object per expert), each of `layout` (an `ExpertLayout`, or an expert to read it from)
-    and its nominal dtype (or `dtype`)."""
+    """A stack over `stacked` whose experts are views of row e of every stacked buffer (made when
+    first asked for), each of `layout` (an `ExpertLayout`, or an expert to read it from) and its
+    nominal dtype (or `dtype`)."""
     layout = layout if isinstance(layout, ExpertLayout) else ExpertLayout.of(layout)
     layout = layout._replace(dtype=dtype) if dtype is not None else layout
+    return QuantizedStack(None, stacked, linear, shape=shape, stride=stride, layout=layout)
+
+
+def _expert_views(stacked: dict, layout: ExpertLayout, linear: LinearQuantizers, experts) -> list:
+    """The quantized weights of `experts` (indices) over their rows of every stacked buffer (a buffer
+    both directions share stays one object per expert)."""
     scalars = {(direction, name) for direction, _, _, names in layout.storages for name in names}
-    count = next(iter(stacked.values())).shape[0]
-    experts = []
-    for expert in range(count):
+    made = []
+    for expert in experts:
         views = {}
         buffers = {key: views.setdefault(id(t), t[expert, 0] if key in scalars else t[expert]) for key, t in stacked.items()}
         config = linear.experts[expert] if linear.experts else linear
-        experts.append(quantized_weight(layout.expert(buffers, config.weight), config))
-    return QuantizedStack(experts, stacked, linear, shape=shape, stride=stride)
+        made.append(quantized_weight(layout.expert(buffers, config.weight), config))
+    return made
 
 
 def _rebuild_stack(stacked: dict, layout, linear, requires_grad: bool):

@@ -18,7 +18,7 @@ aten = torch.ops.aten
 
 def _alias(func, args, kwargs):
     stack = args[0]
-    return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=stack.shape, stride=stack.stride())
+    return QuantizedStack(stack._experts, stack.stacked, stack.linear_quantizers, shape=stack.shape, stride=stack.stride(), layout=stack.expert_layout)
 
 
 def _transpose(func, args, kwargs):
@@ -28,7 +28,7 @@ def _transpose(func, args, kwargs):
         return _on_values(func, args, kwargs)
     e, r, c = stack.shape
     s0, s1, s2 = stack.stride()
-    return QuantizedStack(stack.experts, stack.stacked, stack.linear_quantizers, shape=(e, c, r), stride=(s0, s2, s1))
+    return QuantizedStack(stack._experts, stack.stacked, stack.linear_quantizers, shape=(e, c, r), stride=(s0, s2, s1), layout=stack.expert_layout)
 
 
 def _select(func, args, kwargs):
@@ -100,7 +100,8 @@ def _experts(stack: QuantizedStack, start: int, end: int) -> QuantizedStack:
     """Experts start..end of the stack as it is kept: views of their bytes."""
     _no_expert_configs(stack)
     stacked = map_stacked(stack.stacked, lambda tensor: tensor[start:end])
-    return QuantizedStack(stack.experts[start:end], stacked, stack.linear_quantizers, shape=(end - start, *stack.shape[1:]), stride=stack.stride())
+    experts = stack._experts[start:end] if stack._experts is not None else None
+    return QuantizedStack(experts, stacked, stack.linear_quantizers, shape=(end - start, *stack.shape[1:]), stride=stack.stride(), layout=stack.expert_layout)
 
 
 def _no_expert_configs(stack: QuantizedStack) -> None:
@@ -114,7 +115,7 @@ def _no_expert_configs(stack: QuantizedStack) -> None:
 def _split(func, args, kwargs):
     """`split` / `split_with_sizes` along the experts (FSDP2's chunks)."""
     stack, sizes, dim = args[0], args[1], (args[2] if len(args) > 2 else kwargs.get("dim", 0))
-    if dim % 3 != 0 or not len(stack.experts):
+    if dim % 3 != 0 or not stack.shape[0]:
         return _refuse_piece(func, args, kwargs)
     count = stack.shape[0]
     sizes = [sizes] * -(-count // sizes) if isinstance(sizes, int) else list(sizes)
@@ -280,7 +281,7 @@ def assembled_entry(state_dict: dict, prefix: str, attribute: str, stack) -> Non
     if prefix + attribute in state_dict or not all(name in state_dict for name in names):
         return
     experts = [state_dict.pop(name) for name in names]
-    mine_all = stack.experts if sharded is stack else [stack.experts[0]] * len(experts)  # a shard's experts share one layout
+    mine_all = stack.experts if sharded is stack else [stack.first_expert()] * len(experts)  # a shard's experts share one layout
     for name, mine, theirs in zip(names, mine_all, experts):
         if not isinstance(theirs, QuantizedTensor) or not core_ops.byte_compatible(mine, theirs):
             got = f"{type(theirs).__name__} {list(theirs.shape)}" + (f" from {theirs.quantizer!r}" if isinstance(theirs, QuantizedTensor) else "")
