@@ -461,8 +461,8 @@ def parse_description(filename: str, metadata: dict[str, str]) -> dict:
         )
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (*tied.items(), *names.items())):
         raise ValueError(f"{filename}: tied and names must map names to names.")
-    if not isinstance(placeholders, list) or not all(isinstance(name, str) and name in tensors for name in placeholders):
-        raise ValueError(f"{filename}: placeholders must list names of the quantized tensors the file describes.")
+    if not isinstance(placeholders, list) or not all(isinstance(name, str) for name in placeholders):
+        raise ValueError(f"{filename}: placeholders must be a list of the names of empty stand-in tensors the file holds.")
     # Files written before the layers were recorded have none: nothing to check them against.
     layers = checkpoint_layers.parse(filename, description.get("layers", {}))
     return {"tensors": tensors, "tied": tied, "names": names, "layers": layers, "placeholders": placeholders}

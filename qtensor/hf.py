@@ -188,14 +188,16 @@ class QTensorHfQuantizer(HfQuantizer):
             stored = {as_model(name) for name in stored}
             # Each placeholder loads as an empty stand-in for its weight (param_needs_quantization lets
             # its shape differ); the weight is made again, then given its bytes, after loading.
+            # A stack held quantized is stored as its experts' entries, not under its own name; its
+            # placeholder (empty matrices, which transformers' conversions may have split per expert) too.
+            held = {prefix + a for prefix, module in hf_files.quantized_modules(planned) for a in module._qtensor_layers if isinstance(getattr(module, a), QuantizedStack)}
+            parameters = dict(model.named_parameters())
             self.placeholders = {
-                name: (p.shape, p.dtype, p.requires_grad) for name in map(as_model, placeholders) for p in [model.get_parameter(name)]
+                name: (p.shape, p.dtype, p.requires_grad) for name in {*map(as_model, placeholders), *held} if name in parameters for p in [parameters[name]]
             }
             owned = {name for name in stored if name in entries or any(key in entries for key in checkpoint.entry_prefixes(name))}
             exact = lambda names: {rf"^{re.escape(name)}$" for name in names}
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | exact(owned)
-            # A stack held quantized is stored as its experts' entries, not under its own name.
-            held = {prefix + a for prefix, module in hf_files.quantized_modules(planned) for a in module._qtensor_layers if isinstance(getattr(module, a), QuantizedStack)}
             model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | exact((entries | held) - stored)
             return model
         # transformers ties weights only after loading: tie now what it will tie, so that quantize_

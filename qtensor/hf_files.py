@@ -23,11 +23,16 @@ def with_placeholders(model, stored: dict, metadata: dict[str, str]) -> tuple[di
     qtensor's readers skip placeholders (docs/checkpoint-format.md)."""
     description = json.loads(metadata[checkpoint.METADATA_KEY])
     parameters = dict(model.named_parameters())
-    placeholders = sorted(name for name in description["tensors"] if name in parameters and name not in stored)
+    placeholders = {name: torch.zeros(0, dtype=torch.uint8) for name in description["tensors"] if name in parameters and name not in stored}
+    # A stack held quantized is stored as its experts' entries: its placeholder is a stack of empty
+    # matrices [experts, 0, 0], which transformers' conversions split into (and merge back from)
+    # empty per-expert matrices as they would the stack's own values.
+    held = lambda p: isinstance(getattr(p, "_local_tensor", p), QuantizedStack)
+    placeholders.update({name: torch.zeros((p.shape[0], 0, 0), dtype=torch.uint8) for name, p in parameters.items() if held(p) and name not in stored})
     if not placeholders:
         return stored, metadata
-    description["placeholders"] = placeholders
-    stored = {**stored, **{name: torch.zeros(0, dtype=torch.uint8) for name in placeholders}}
+    description["placeholders"] = sorted(placeholders)
+    stored = {**stored, **placeholders}
     return stored, {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
 
 
@@ -39,6 +44,12 @@ def described_as_stored(model, metadata: dict[str, str]) -> dict[str, str]:
     from transformers.core_model_loading import revert_weight_conversion
 
     description = json.loads(metadata[checkpoint.METADATA_KEY])
+    parameters = dict(model.named_parameters())
+    stacks = [name for name in description.get("placeholders", []) if isinstance(getattr(parameters.get(name), "_local_tensor", parameters.get(name)), QuantizedStack)]
+    if stacks:  # a held stack's placeholder, under the names its empty matrices are stored under
+        split = revert_weight_conversion(model, {name: torch.zeros((parameters[name].shape[0], 0, 0), dtype=torch.uint8) for name in stacks})
+        description["placeholders"] = sorted((set(description["placeholders"]) - set(stacks)) | set(split))
+        metadata = {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
     keys = sorted(qtensor_entries(model) | set(description["tensors"]))
     if not keys:
         return metadata

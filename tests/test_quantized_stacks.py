@@ -227,6 +227,47 @@ def test_on_the_gpu_a_stack_held_quantized_multiplies_as_the_dynamic_one(case):
         assert torch.equal(dynamic, held)
 
 
+_LOAD_WITHOUT_QTENSOR = """
+import sys, transformers
+for directory in sys.argv[1:]:
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(directory)
+        print("loaded")
+    except RuntimeError as error:
+        print("raised", "mismatched" in str(error))
+"""
+
+
+def test_a_model_whose_only_quantized_layers_are_held_stacks_does_not_load_silently_without_qtensor(tmp_path):
+    """save_pretrained writes a placeholder for each stack held quantized: empty matrices, which
+    transformers' conversions store under its own names (Qwen3-MoE's per-expert `gate_proj`,
+    Mixtral's `block_sparse_moe...w1`, gpt-oss's fused stacks). A process without qtensor stops on
+    the size mismatch instead of initialising the stacks anew; with qtensor the model loads with
+    its logits."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from test_experts import tiny_model
+
+    directories = []
+    for family in ("qwen3_moe", "mixtral", "gpt_oss"):
+        tiny_model(family, layers=1).save_pretrained(tmp_path / family)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / family, quantization_config=qtensor.hf.QTensorConfig(recipe="float8_current", weights="quantized", modules_to_not_convert=["lm_head", "*.self_attn"]),
+        )
+        assert {type(p).__name__ for p in model.parameters()} == {"Parameter", "QuantizedStack"}
+        model.save_pretrained(tmp_path / f"{family}_saved")
+        directories.append(str(tmp_path / f"{family}_saved"))
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}_saved")
+        ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(loaded(ids).logits, model(ids).logits), family
+    result = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_QTENSOR, *directories], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:3] == ["raised True"] * 3, result.stdout
+
+
 def test_fp8_export_refuses_quantized_stacks_and_writes_experts_kept_in_high_precision(tmp_path):
     """transformers' FP8 loader dequantizes (on a CPU) only `weight` / `weight_scale_inv` pairs: a fused
     stack's FP8 bytes would load without their scales, so export(fp8=True) refuses quantized stacks.
