@@ -257,10 +257,10 @@ class QTensorHfQuantizer(HfQuantizer):
         return stored, hf_files.described_as_stored(model, metadata)
 
     def _dequantize(self, model, dtype=None):
-        """`model.dequantize()`: every quantized layer back to plain parameters (`qtensor.dequantize_`,
-        the values in the dtype they were quantized from); transformers then drops the
-        quantization config, so the model saves and loads as a plain one."""
-        dequantize_(model)
+        """`model.dequantize(dtype=None)`: every quantized layer back to plain parameters
+        (`qtensor.dequantize_`: in `dtype`, or the dtype each was quantized from); transformers then
+        drops the quantization config, so the model saves and loads as a plain one."""
+        dequantize_(model, dtype)
         return model
 
     def is_serializable(self, safe_serialization=None) -> bool:

@@ -397,10 +397,11 @@ def fill_weight(module: nn.Module, attribute: str, value: torch.Tensor) -> nn.Pa
     return getattr(module, attribute)
 
 
-def dequantize_(model: nn.Module) -> None:
+def dequantize_(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Turn every quantized layer of `model` back into plain high-precision parameters, in the
-    layout each module keeps (a Conv1D's [in, out]). A transformers model loaded with a
-    `QTensorConfig` also drops its quantization config: it saves and loads as a plain model."""
+    layout each module keeps (a Conv1D's [in, out]), in `dtype` (None: the dtype each weight was
+    quantized from). A transformers model loaded with a `QTensorConfig` also drops its quantization
+    config: it saves and loads as a plain model."""
     hf_quantizer = getattr(model, "hf_quantizer", None)
     if getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None) == "qtensor":
         hf_quantizer.remove_quantization_config(model)  # transformers' own: config.json no longer names qtensor
@@ -416,6 +417,7 @@ def dequantize_(model: nn.Module) -> None:
             else:
                 plain = weight.plain().detach().clone()
             weight._qtensor_replaced = f"{linear.parameter_name} (by dequantize_)"
+            plain = plain if dtype is None else plain.to(dtype)
             setattr(module, attribute, nn.Parameter(plain, requires_grad=weight.requires_grad))
         for hook in module._qtensor_hooks:
             hook.remove()

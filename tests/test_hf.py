@@ -472,6 +472,20 @@ def test_a_dequantized_model_saves_and_loads_as_a_plain_one(weights, how, tmp_pa
         assert torch.equal(parameter, loaded.get_parameter(name)), name
 
 
+@pytest.mark.parametrize("how", ["qtensor.dequantize_", "model.dequantize"])
+def test_dequantize_gives_the_dtype_asked_for(how, tmp_path):
+    """`dequantize_(model, dtype)` and transformers' `model.dequantize(dtype=...)` make the quantized
+    layers' weights plain parameters of that dtype, holding the dequantized values rounded to it."""
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "plain")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=QTensorConfig(recipe="mxfp8", weights="quantized"))
+    weight = model.model.layers[0].mlp.down_proj.weight
+    expected = weight.dequantize().to(torch.bfloat16)
+    assert weight.dtype == torch.float32
+    qtensor.dequantize_(model, torch.bfloat16) if how == "qtensor.dequantize_" else model.dequantize(dtype=torch.bfloat16)
+    plain = model.model.layers[0].mlp.down_proj.weight
+    assert type(plain) is torch.nn.Parameter and plain.dtype == torch.bfloat16 and torch.equal(plain, expected)
+
+
 def test_qtensor_trainer_refuses_to_train_under_accelerates_fsdp2(checkpoint, tmp_path):
     """accelerate's FSDP2 preparation maps optimizer parameters by data_ptr(), which qtensor's
     weights do not give: QTensorTrainer.train() says so instead of training the wrong tensors. (The
