@@ -412,12 +412,12 @@ def dequantize_(model: nn.Module, dtype: torch.dtype | None = None) -> None:
         for attribute, (linear, _) in layers.items():
             weight = getattr(module, attribute)
             if isinstance(weight, (QuantizedTensor, QuantizedStack)):  # a stack's values come as its module keeps them
-                plain = weight.dequantize()
+                plain = weight.dequantize(dtype)  # rounded once, to `dtype`
                 plain = plain.t().contiguous() if linear.transposed and weight.dim() == 2 else plain
             else:
                 plain = weight.plain().detach().clone()
+                plain = plain if dtype is None else plain.to(dtype)
             weight._qtensor_replaced = f"{linear.parameter_name} (by dequantize_)"
-            plain = plain if dtype is None else plain.to(dtype)
             setattr(module, attribute, nn.Parameter(plain, requires_grad=weight.requires_grad))
         for hook in module._qtensor_hooks:
             hook.remove()

@@ -475,15 +475,20 @@ def test_a_dequantized_model_saves_and_loads_as_a_plain_one(weights, how, tmp_pa
 @pytest.mark.parametrize("how", ["qtensor.dequantize_", "model.dequantize"])
 def test_dequantize_gives_the_dtype_asked_for(how, tmp_path):
     """`dequantize_(model, dtype)` and transformers' `model.dequantize(dtype=...)` make the quantized
-    layers' weights plain parameters of that dtype, holding the dequantized values rounded to it."""
+    layers' weights plain parameters of that dtype: a bf16 model's FP8 weights dequantized into
+    float32 hold the exact products of codes and scales, not their bf16 roundings."""
     transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "plain")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=QTensorConfig(recipe="mxfp8", weights="quantized"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "plain", dtype=torch.bfloat16, quantization_config=QTensorConfig(recipe="float8_current", weights="quantized"),
+    )
     weight = model.model.layers[0].mlp.down_proj.weight
-    expected = weight.dequantize().to(torch.bfloat16)
-    assert weight.dtype == torch.float32
-    qtensor.dequantize_(model, torch.bfloat16) if how == "qtensor.dequantize_" else model.dequantize(dtype=torch.bfloat16)
+    assert weight.dtype == torch.bfloat16
+    # Each code times the scale, rounded once to float32 (the product is exact in float64).
+    expected = (weight.rowwise.data.double() * weight.rowwise.scale_inv.double()).float()
+    assert not torch.equal(expected, expected.bfloat16().float())  # the test can tell one rounding from two
+    qtensor.dequantize_(model, torch.float32) if how == "qtensor.dequantize_" else model.dequantize(dtype=torch.float32)
     plain = model.model.layers[0].mlp.down_proj.weight
-    assert type(plain) is torch.nn.Parameter and plain.dtype == torch.bfloat16 and torch.equal(plain, expected)
+    assert type(plain) is torch.nn.Parameter and plain.dtype == torch.float32 and torch.equal(plain, expected)
 
 
 def test_qtensor_trainer_refuses_to_train_under_accelerates_fsdp2(checkpoint, tmp_path):

@@ -103,6 +103,26 @@ def test_a_stack_is_cast_in_one_go_where_the_format_allows_each_expert_with_its_
                 np.testing.assert_array_equal(expert.dequantize(torch.float32, direction).cpu().numpy(), deq(matrix.cpu().numpy(), direction).astype(np.float32))
 
 
+@pytest.mark.parametrize("case", ["float8", "mxfp8"])
+def test_a_bf16_stack_is_cast_from_bf16_values_as_a_dense_weight_is(case):
+    """MasterWeights writes fp32 masters into a bf16 stack: each expert is cast from the master
+    rounded to bf16, as `copy_` casts a dense quantized weight from its own dtype, whether the
+    stack is cast at once or expert by expert (the oracle casts each bf16 matrix alone)."""
+    experts, out_features, in_features = 4, 64, 96
+    generator = torch.Generator().manual_seed(5)
+    module = nn.Module()
+    module.down_proj = nn.Parameter(torch.randn(experts, out_features, in_features, generator=generator).bfloat16())
+    qtensor.quantize_(module, factory_for(case), weights="quantized")
+    masters = torch.randn(experts, out_features, in_features, generator=generator) * 3
+    assert not torch.equal(masters, masters.bfloat16().float())
+    with torch.no_grad():  # as MasterWeights writes its masters back
+        module.down_proj.copy_(masters)
+    deq = CASES[case][1]["weight"]
+    for expert, matrix in zip(module.down_proj.experts, masters.bfloat16().float()):
+        for direction in ("rowwise", "columnwise"):
+            np.testing.assert_array_equal(expert.dequantize(torch.float32, direction).numpy(), deq(matrix.numpy(), direction).astype(np.float32))
+
+
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_master_weights_train_the_stacks_and_each_step_casts_every_expert_from_its_master(family, implementation):

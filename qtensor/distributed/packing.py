@@ -49,7 +49,12 @@ def packed_experts(buffers: list[torch.Tensor], padded_shape) -> torch.Tensor:
     for the experts this rank lacks), in the smallest integer dtype that holds them all."""
     padded = padded_shape[0]
     capacity = sum(aligned(padded * _expert_bytes(b)) for b in buffers)
-    dtype = next(d for d in PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
+    dtype = next((d for d in PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity), None)
+    if dtype is None:
+        raise NotImplementedError(
+            f"An expert stack of {list(padded_shape[1:])} matrices split unevenly: its experts' codes and scales "
+            f"({capacity} bytes a shard) do not fit FSDP2's padded shard even as int64. Shard it evenly, or keep it dynamic."
+        )
     payload = torch.zeros(padded_shape, dtype=dtype, device=buffers[0].device)
     raw, offset = payload.view(-1).view(torch.uint8), 0
     for buffer in buffers:

@@ -69,7 +69,9 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     def experts(self) -> tuple:
         """Each expert's quantized weight, [out, in]: views of its row of every stacked buffer."""
         if self._experts is None:
-            self._experts = tuple(_expert_views(self.stacked, self.expert_layout, self.linear_quantizers, range(self.shape[0])))
+            first = [self._first] if "_first" in self.__dict__ else []  # made alone before: kept as expert 0
+            rest = _expert_views(self.stacked, self.expert_layout, self.linear_quantizers, range(len(first), self.shape[0]))
+            self._experts = tuple(first + rest)
         return self._experts
 
     def first_expert(self) -> QuantizedTensor:
@@ -143,7 +145,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     def requantize(self, values: torch.Tensor) -> None:
         """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own: whole on
         this rank even where the stack is a shard of experts (FSDP2), so no amax is reduced over ranks."""
-        values = values.to(device=self.device)
+        values = values.to(device=self.device, dtype=self.dtype)  # as copy_ casts a quantized weight: from its own dtype
         matrices = values.transpose(-2, -1) if self.stored_transposed else values  # [E, out, in]
         with sharded_cast((), owner="QuantizedStack.requantize"):
             stacked = None if self.linear_quantizers.experts else _cast_at_once(self.linear_quantizers.weight, matrices, self.first_expert())
