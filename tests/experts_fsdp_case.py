@@ -26,22 +26,7 @@ RECIPES = {  # name: (recipe, micro-batches a step, weights); float8_rowwise cas
     # 3 experts over 2 ranks: FSDP2's shards of 2 and 1 experts, gathered packed into the padded shard's shape
     "float8_rowwise, quantized, 3 experts": ("float8_rowwise", 1, "quantized", 3),
     "nvfp4, 3 experts": ("nvfp4", 1, "dynamic", 3),
-    # sharded under a root that FSDP2 keeps unsharded, gathered again before the backward: each gather
-    # brings only the copy its GEMMs read (rowwise for the forward, columnwise for the backward)
-    "float8_rowwise, quantized, resharded": ("float8_rowwise", 2, "quantized", 4, True),
-    "mxfp8, resharded": ("mxfp8", 1, "dynamic", 4, True),
 }
-
-
-class Holder(nn.Module):
-    """A root over an experts layer, so that FSDP2 reshards the layer after its forward."""
-
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x):
-        return self.experts(x)
 
 
 class Experts(nn.Module):
@@ -156,26 +141,21 @@ def run(out):
     if DEVICE == "cuda":
         torch.cuda.set_device(device)
     results = {}
-    for name, (recipe, micro_batches, weights, *options) in RECIPES.items():
-        experts = options[0] if options else 4
-        resharded = len(options) > 1 and options[1]
+    for name, (recipe, micro_batches, weights, *count) in RECIPES.items():
+        experts = count[0] if count else 4
         torch.manual_seed(0)
         plain = Experts(experts).to(device)
         single, sharded = copy.deepcopy(plain), copy.deepcopy(plain)
         for model in (single, sharded):
             qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights)
-        if resharded:
-            fully_shard(sharded, reshard_after_forward=True)
-            trained = fully_shard(Holder(sharded))
-        else:
-            trained = fully_shard(sharded)
+        fully_shard(sharded)
         unsharded = {}  # what FSDP2's gather made, as the forward sees it
         sharded.register_forward_pre_hook(lambda module, args: unsharded.update(
             {n: (type(p).__name__, sorted({str(t.dtype) for t in getattr(p, "stacked", {}).values()})) for n, p in module.named_parameters()}
         ))
         single_losses = train(single, micro_batches=micro_batches)
         qtensor.distributed.fsdp.gather_stats(reset=True)
-        sharded_losses = train(trained, micro_batches=micro_batches)
+        sharded_losses = train(sharded, micro_batches=micro_batches)
         stats = qtensor.distributed.fsdp.gather_stats(reset=True)
         reloaded = None
         # Under delayed scaling a forward records amaxes: two models compare only after the same steps.

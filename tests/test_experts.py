@@ -614,8 +614,6 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
         sent, bf16 = result["gathered_bytes"]  # what the gathers sent, and the same shards in bf16
         if recipe == "nvfp4":  # two copies of 4-bit codes with their scales
             assert 0 < sent < 0.6 * bf16, (sent, bf16)
-        if recipe.endswith("resharded"):  # each gather brings one FP8 copy: about half of bf16's bytes
-            assert 0.45 * bf16 < sent < 0.6 * bf16, (recipe, sent, bf16)
         if "quantized" in recipe:
             # save_model of the sharded model loads into one process with its bytes, and back into a sharded model.
             assert result["reloaded"] == (True, True), recipe

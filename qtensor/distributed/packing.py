@@ -42,27 +42,20 @@ def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int =
 PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-def experts_nbytes(buffers: list[torch.Tensor], padded: int) -> int:
-    """The bytes `packed_experts` lays `buffers` out in: room for `padded` experts of each."""
-    return sum(aligned(padded * _expert_bytes(b)) for b in buffers)
-
-
-def packed_experts(buffers: list[torch.Tensor], padded: int, capacity: int, shape=None) -> torch.Tensor:
-    """`buffers` (each `[local experts, ...]`) as one all-gather input: each buffer's bytes at its own
-    offset, room for `padded` experts each (zero bytes for experts this rank lacks), `capacity` bytes
-    in all (FSDP2 sizes a parameter's gather once: every gather of it sends the same bytes). A uint8
-    tensor; or with `shape` (FSDP2's padded shard `[padded experts, ...]`, which every all-gather
-    input of an uneven shard must have) that shape in the smallest integer dtype that holds them."""
-    if shape is None:
-        payload = torch.zeros(capacity, dtype=torch.uint8, device=buffers[0].device)
-    else:
-        dtype = next((d for d in PACK_DTYPES if math.prod(shape) * d.itemsize >= capacity), None)
-        if dtype is None:
-            raise NotImplementedError(
-                f"An expert stack of {list(shape[1:])} matrices split unevenly: its experts' codes and scales "
-                f"({capacity} bytes a shard) do not fit FSDP2's padded shard even as int64. Shard it evenly, or keep it dynamic."
-            )
-        payload = torch.zeros(shape, dtype=dtype, device=buffers[0].device)
+def packed_experts(buffers: list[torch.Tensor], padded_shape) -> torch.Tensor:
+    """`buffers` (each `[local experts, ...]`) as one tensor of `padded_shape` (FSDP2's padded shard
+    of a stack, `[padded experts, ...]`, whose shape every all-gather input of an uneven shard must
+    have): each buffer's bytes at its own offset, room for `padded_shape[0]` experts each (zero bytes
+    for the experts this rank lacks), in the smallest integer dtype that holds them all."""
+    padded = padded_shape[0]
+    capacity = sum(aligned(padded * _expert_bytes(b)) for b in buffers)
+    dtype = next((d for d in PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity), None)
+    if dtype is None:
+        raise NotImplementedError(
+            f"An expert stack of {list(padded_shape[1:])} matrices split unevenly: its experts' codes and scales "
+            f"({capacity} bytes a shard) do not fit FSDP2's padded shard even as int64. Shard it evenly, or keep it dynamic."
+        )
+    payload = torch.zeros(padded_shape, dtype=dtype, device=buffers[0].device)
     raw, offset = payload.view(-1).view(torch.uint8), 0
     for buffer in buffers:
         if buffer.numel():
@@ -71,12 +64,13 @@ def packed_experts(buffers: list[torch.Tensor], padded: int, capacity: int, shap
     return payload
 
 
-def unpacked_experts(output: torch.Tensor, templates: list[torch.Tensor], world_size: int, experts: int, padded: int) -> list[torch.Tensor]:
+def unpacked_experts(output: torch.Tensor, templates: list[torch.Tensor], world_size: int, experts: int) -> list[torch.Tensor]:
     """The gathered buffers `[experts, ...]` from the all-gather output of `packed_experts` payloads
-    (one per rank, each with room for `padded` experts): every rank's experts cut from its payload,
-    joined, and the padding experts past `experts` dropped. `templates` give each buffer's dtype and shape."""
+    (one per rank, each of `padded` experts): every rank's experts cut from its payload, joined,
+    and the padding experts past `experts` dropped. `templates` give each buffer's dtype and shape."""
     raw = output.reshape(-1).view(torch.uint8)
     per_rank = raw.numel() // world_size
+    padded = output.shape[0] // world_size
     counts = [max(0, min(padded, experts - rank * padded)) for rank in range(world_size)]  # each rank's real experts
     gathered, offset = [], 0
     for template in templates:

@@ -31,7 +31,7 @@ from ..core import tensor as core_tensor
 from ..core.numerics import sharded_cast
 from ..core.quantizer import GroupedOperand
 from ..core.tensor import QuantizedTensor
-from ..distributed import fsdp, fsdp_state, packing
+from ..distributed import fsdp, packing
 from .config import LinearQuantizers
 from .weight import LayerWeight, quantized_weight
 
@@ -172,51 +172,31 @@ class QuantizedStack(LayerWeight, torch.Tensor):
 
     # ---- FSDP2: a shard of whole experts (stack_ops.py makes the pieces), gathered as its bytes ----
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """The experts' buffers that this gather's GEMMs read (fsdp.directions_needed: the forward's
-        rowwise copy, the re-gather before the backward the columnwise one), each buffer once (one
-        both directions share). Sent as they are where every gather of this stack sends the same
-        buffers and the experts split evenly; else packed into one input of a fixed size."""
         owners = _owners(self.stacked)
-        keys = lambda directions: list(dict.fromkeys(owners[key] for key in self.stacked if key[0] in directions))
-        sharding = self._note_fsdp(mesh, module)
-        needed, phases = fsdp.directions_needed(self.linear_quantizers, fsdp_state.regathers_before_backward(sharding))
-        sent, every = keys(needed), [keys(phase) for phase in phases]
-        world, experts = mesh.size(), outer_size[0]
-        padded, uneven = -(-experts // world), experts % world != 0
-        if not uneven and all(phase == sent for phase in every):
-            inputs, unpacking = tuple(self.stacked[key] for key in sent), None
-        else:
-            capacity = max(packing.experts_nbytes([self.stacked[key] for key in phase], padded) for phase in every)
-            shape = (padded, *outer_size[1:]) if uneven else None  # uneven: FSDP2 wants the padded shard's shape
-            inputs = (packing.packed_experts([self.stacked[key] for key in sent], padded, capacity, shape),)
-            unpacking = ([self.stacked[key] for key in sent], world, padded)  # (templates, ranks, room per rank)
+        sent = [key for key in self.stacked if owners[key] == key]  # each buffer once (one both directions share)
+        inputs = tuple(self.stacked[key] for key in sent)
+        packed = outer_size[0] % mesh.size() != 0
+        if packed:  # uneven: FSDP2 wants one input of the padded shard's shape, the bytes packed into it
+            inputs = (packing.packed_experts(list(inputs), (-(-outer_size[0] // mesh.size()), *outer_size[1:])),)
         fsdp.count_gather(inputs, mesh, outer_size)
-        templates = {owner: self.stacked[owner] for owner in set(owners.values())}
-        return inputs, (sent, owners, templates, self.expert_layout, outer_size, outer_stride, unpacking)
+        unpacking = ([self.stacked[key] for key in sent], mesh.size()) if packed else None  # (templates, ranks)
+        return inputs, (sent, owners, self.expert_layout, outer_size, outer_stride, unpacking)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        sent, owners, templates, layout, outer_size, outer_stride, unpacking = metadata
+        sent, owners, layout, outer_size, outer_stride, unpacking = metadata
         outputs = all_gather_outputs
-        if unpacking is not None:  # packed: each rank's experts cut out, any padding dropped
-            outputs = packing.unpacked_experts(all_gather_outputs[0], *unpacking[:2], outer_size[0], unpacking[2])
+        if unpacking is not None:  # packed (uneven shards): each rank's experts cut out, the padding dropped
+            templates, ranks = unpacking
+            outputs = packing.unpacked_experts(all_gather_outputs[0], templates, ranks, outer_size[0])
         gathered = dict(zip(sent, outputs))
-        if out is not None:  # the gathered stack of the first gather, the buffers this gather brought written again
+        if out is not None:  # the gathered stack of the first gather, its buffers written again
             for key, values in gathered.items():
-                target = out.stacked[key]
-                if target.data_ptr() != values.data_ptr():
-                    # In place, as FSDP2 refills its own outputs: a copy the backward saved (a view) reads it.
-                    with torch.autograd._unsafe_preserve_version_counter(target):
-                        target.copy_(values)
+                if out.stacked[key].data_ptr() != values.data_ptr():
+                    out.stacked[key].copy_(values)
             return None
-        # A buffer this gather did not bring: made here, written by the gather whose GEMM reads it.
-        made = {owner: gathered.get(owner) for owner in templates}
-        for owner, template in templates.items():
-            if made[owner] is None:
-                made[owner] = template.new_empty((outer_size[0], *template.shape[1:]))
-        stacked = {key: made[owner] for key, owner in owners.items()}
+        stacked = {key: gathered[owner] for key, owner in owners.items()}
         stack = _over_stacked(stacked, layout, self.linear_quantizers, shape=outer_size, stride=outer_stride, dtype=param_dtype)
-        inner = tuple(outputs) if unpacking is None else ()
-        return stack, inner + tuple(t for owner, t in made.items() if unpacking is not None or owner not in gathered)
+        return stack, tuple(outputs)
 
     def __deepcopy__(self, memo):
         stacked, linear = copy.deepcopy((self.stacked, self.linear_quantizers), memo)
