@@ -25,7 +25,7 @@ RECIPES = {  # name: (recipe, micro-batches a step, weights); float8_rowwise cas
     "mxfp8, quantized": ("mxfp8", 2, "quantized"),
     # 3 experts over 2 ranks: FSDP2's shards of 2 and 1 experts, gathered packed into the padded shard's shape
     "float8_rowwise, quantized, 3 experts": ("float8_rowwise", 1, "quantized", 3),
-    "nvfp4, 3 experts": ("nvfp4", 1, "dynamic", 3),
+    "nvfp4, 3 experts": ("nvfp4", 1, "dynamic", 3), "nvfp4, quantized, 3 experts": ("nvfp4", 1, "quantized", 3),
 }
 
 
@@ -123,6 +123,62 @@ def through_dcp(sharded, recipe, weights, path):
     return equal
 
 
+class Holder(nn.Module):
+    """A root over an experts layer, so that FSDP2 reshards the layer after its forward (and gathers
+    it again before its backward); with `checkpointed`, the layer's forward is recomputed in the
+    backward (activation checkpointing)."""
+
+    def __init__(self, experts, checkpointed=False):
+        super().__init__()
+        self.experts, self.checkpointed = experts, checkpointed
+
+    def forward(self, x):
+        if self.checkpointed:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.experts, x, use_reentrant=False)
+        return self.experts(x)
+
+
+def scenarios(device) -> dict:
+    """The layer under a root, resharded after its forward, for a stack held quantized and a dynamic
+    one: plain, with activation checkpointing, and with two micro-batches of gradient accumulation
+    without resharding after the backward (FSDP2's accumulation pattern). Each: (largest gradient
+    difference against one process relative to the gradient's largest magnitude, the losses)."""
+    from torch.distributed.fsdp import fully_shard
+
+    found = {}
+    for weights in ("quantized", "dynamic"):
+        for how in ("resharded", "checkpointed", "accumulated"):
+            torch.manual_seed(0)
+            plain = Experts().to(device)
+            single, sharded = copy.deepcopy(plain), copy.deepcopy(plain)
+            for model in (single, sharded):
+                qtensor.quantize_(model, qtensor.recipes.mxfp8(), weights=weights)
+            fully_shard(sharded, reshard_after_forward=True)
+            root, reference = fully_shard(Holder(sharded, how == "checkpointed")), Holder(single, how == "checkpointed")
+            if how == "accumulated":
+                root.set_reshard_after_backward(False)
+            generator, losses = torch.Generator().manual_seed(5), []
+            for micro_batch in range(2 if how == "accumulated" else 1):
+                x = torch.randn(64, 32, generator=generator).to(device)
+                if how == "accumulated":
+                    root.set_requires_gradient_sync(micro_batch == 1)
+                for model in (reference, root):
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    losses.append(loss.item())
+            root.reshard()
+            sharded.reshard()  # the layer too (a module of its own): its sharded parameters hold the gradients
+            worst = 0.0
+            for (name, p), q in zip(single.named_parameters(), sharded.parameters()):
+                assert q.grad is not None, (weights, how, name)
+                expected, got = p.grad.float(), q.grad.full_tensor().float()
+                worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
+            found[f"{weights}, {how}"] = (worst, losses)
+    return found
+
+
 def dist_gather(local, experts):
     """The whole stack from every rank's experts (FSDP2's chunks: the last may hold fewer)."""
     padded = -(-experts // dist.get_world_size())
@@ -175,6 +231,7 @@ def run(out):
             reloaded=reloaded, dcp_equal=dcp_equal, gathered_bytes=(stats["bytes"], stats["bf16_bytes"]),
             histories=(histories(single), histories(sharded)) if weights == "dynamic" else ({}, {}),
         )
+    results["scenarios"] = scenarios(device)
     # One expert over two ranks leaves a rank none: refused for a stack held quantized, saying so.
     lonely = Experts(1).to(device)
     qtensor.quantize_(lonely, qtensor.recipes.float8_rowwise(), weights="quantized")

@@ -580,8 +580,10 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
     held quantized as whole experts, gathered as their codes and scales (MasterWeights casting each
     expert of a shard on its own). Three steps of each recipe end where one process ends, also with
     3 experts over the 2 ranks (an uneven split: a held stack gathers its experts' bytes packed into
-    FSDP2's padded shard, a dynamic one its values); a rank left with no expert of a held stack is
-    refused. A sharded held stack saves whole (save_model gathers its experts' bytes) into a file
+    FSDP2's padded shard, in a dtype gloo carries, a dynamic one its values); a rank left with no
+    expert of a held stack is refused. The layer resharded under a root, with activation
+    checkpointing, and accumulating gradients without resharding after the backward gets the
+    gradients of one process. A sharded held stack saves whole (save_model gathers its experts' bytes) into a file
     that loads into one process and into a sharded model; torch.distributed.checkpoint saves either
     kind of stack from both ranks and loads it into a freshly sharded model, whose output is then the
     saved model's. With delayed scaling every expert's amax histories end equal too, also with two
@@ -595,6 +597,11 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
     results = torch.load(out, weights_only=False)
     assert {"float8_delayed", "float8_delayed, 2 micro-batches", "float8_current", "float8_rowwise"} <= set(results)
     assert "without any of this stack's 1 experts" in results.pop("no expert on a rank")
+    # Resharded under a root, with activation checkpointing, and accumulating without resharding
+    # after the backward: the gradients of one process, for held and dynamic stacks.
+    for scenario, (worst, losses) in results.pop("scenarios").items():
+        assert np.all(np.isfinite(losses)) and worst < 1e-5, (scenario, worst, losses)
+        np.testing.assert_allclose(losses[1::2], losses[0::2], rtol=1e-5, err_msg=scenario)
     for recipe, result in results.items():
         single_histories, sharded_histories = result["histories"]
         assert single_histories.keys() == sharded_histories.keys()

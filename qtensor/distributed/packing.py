@@ -39,7 +39,8 @@ def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int =
 
 
 # ---- uneven shards of whole experts (layers/quantized_stack.py) --------------------------------------
-PACK_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+# The integer dtypes an all-gather can carry: gloo refuses int16 (`Invalid scalar type`) and NCCL has none.
+PACK_DTYPES = (torch.uint8, torch.int32, torch.int64)
 
 
 def packed_experts(buffers: list[torch.Tensor], padded_shape) -> torch.Tensor:
