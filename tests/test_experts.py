@@ -630,6 +630,17 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
             torch.testing.assert_close(getattr(gathered, "plain", lambda: gathered)(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_fsdp2_over_one_rank_gathers_a_held_stack_whole(tmp_path):
+    """On one rank FSDP2 copies only the first all-gather input into its output: a stack held
+    quantized sends its buffers packed in one, and trains as the unsharded layer does."""
+    import workers
+
+    out = tmp_path / "results.pt"
+    workers.launch("stack_one_rank_case.py", out, world=1, timeout=120)
+    for recipe, (single, sharded) in torch.load(out, weights_only=False).items():
+        np.testing.assert_allclose(sharded, single, rtol=1e-6, err_msg=recipe)
+
+
 def test_a_stack_saves_loads_and_dequantizes_as_its_plain_values(tmp_path):
     """A dynamic stack's state_dict entry is its plain values; save_model / load_model carry them
     byte for byte into another quantized model, and dequantize_ gives back a plain parameter."""

@@ -175,8 +175,10 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         owners = _owners(self.stacked)
         sent = [key for key in self.stacked if owners[key] == key]  # each buffer once (one both directions share)
         inputs = tuple(self.stacked[key] for key in sent)
-        packed = outer_size[0] % mesh.size() != 0
-        if packed:  # uneven: FSDP2 wants one input of the padded shard's shape, the bytes packed into it
+        # Uneven: FSDP2 wants one input of the padded shard's shape. On one rank FSDP2 (torch 2.11 to
+        # 2.13) copies only the first input into its output. Either way the bytes go packed in one.
+        packed = outer_size[0] % mesh.size() != 0 or (mesh.size() == 1 and len(inputs) > 1)
+        if packed:
             inputs = (packing.packed_experts(list(inputs), (-(-outer_size[0] // mesh.size()), *outer_size[1:])),)
         fsdp.count_gather(inputs, mesh, outer_size)
         unpacking = ([self.stacked[key] for key in sent], mesh.size()) if packed else None  # (templates, ranks)
