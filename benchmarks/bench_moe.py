@@ -61,6 +61,21 @@ def torchao_grouped_mm():
     return lambda a, b, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
 
 
+def quantize_as(model: nn.Module, system: str) -> None:
+    """`"<recipe>[ quantized][ fast-backward]"`: quantize_ the model with that recipe, its stacks
+    dynamic or held quantized, dgrad and wgrad with fast accumulation where asked."""
+    recipe, *words = system.split()
+    chosen = qtensor.Recipe(getattr(qtensor.recipes, recipe)(), backward_fast_accumulation="fast-backward" in words)
+    qtensor.quantize_(model, chosen, weights="quantized" if "quantized" in words else "dynamic")
+
+
+def routed_rows(rows: int, experts: int, hidden: int):
+    """(x, offs, grad): bf16 routed rows in balanced groups, their group ends, an output gradient."""
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
+    return x, offs, torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+
+
 def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
     rows, experts, hidden, width = SHAPES[shape]
     torch.manual_seed(0)
@@ -69,12 +84,8 @@ def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
         model.grouped_mm = torchao_grouped_mm()
     elif system != "bf16":  # "<recipe>" quantizes at use from the fp32 stacks; "<recipe> quantized" holds them in low precision;
         # "... fast-backward" runs dgrad and wgrad with fast accumulation too (as torchao does)
-        recipe, *words = system.split()
-        chosen = qtensor.Recipe(getattr(qtensor.recipes, recipe)(), backward_fast_accumulation="fast-backward" in words)
-        qtensor.quantize_(model, chosen, weights="quantized" if "quantized" in words else "dynamic")
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
-    grad = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        quantize_as(model, system)
+    x, offs, grad = routed_rows(rows, experts, hidden)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qtensor  # noqa: E402
-from bench_moe import SHAPES, Experts  # noqa: E402
+from bench_moe import SHAPES, Experts, quantize_as, routed_rows  # noqa: E402
 from qtensor.distributed import fsdp as qtensor_fsdp  # noqa: E402
 from qtensor.layers import quantized_stack  # noqa: E402
 from timing import median_step_s  # noqa: E402
@@ -58,8 +58,7 @@ def measure(system: str, layers: int, steps: int) -> dict:
     words = system.split()
     gathers_as_experts = quantized_stack.gathers_as_experts
     if words[0] != "bf16":
-        chosen = qtensor.Recipe(getattr(qtensor.recipes, words[0])(), backward_fast_accumulation="fast-backward" in words)
-        qtensor.quantize_(model, chosen, weights="quantized" if "quantized" in words else "dynamic")
+        quantize_as(model, " ".join(w for w in words if w != "values"))
         if "values" in words:  # the gather of values, as before the experts' casts were gathered
             quantized_stack.gathers_as_experts = lambda *args: False
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -69,9 +68,7 @@ def measure(system: str, layers: int, steps: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     if "quantized" in words:
         optimizer = qtensor.optim.MasterWeights(optimizer)
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
-    grad = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    x, offs, grad = routed_rows(rows, experts, hidden)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):

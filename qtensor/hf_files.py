@@ -11,7 +11,7 @@ import torch
 from . import checkpoint
 from .layers import experts
 from .layers.quantized_stack import QuantizedStack
-from .layers.stack_ops import expert_keys
+from .layers.stack_ops import expert_keys, is_stack
 from .quantize import running_state
 
 
@@ -24,16 +24,19 @@ def with_placeholders(model, stored: dict, metadata: dict[str, str]) -> tuple[di
     description = json.loads(metadata[checkpoint.METADATA_KEY])
     parameters = dict(model.named_parameters())
     placeholders = {name: torch.zeros(0, dtype=torch.uint8) for name in description["tensors"] if name in parameters and name not in stored}
-    # A stack held quantized is stored as its experts' entries: its placeholder is a stack of empty
-    # matrices [experts, 0, 0], which transformers' conversions split into (and merge back from)
-    # empty per-expert matrices as they would the stack's own values.
-    held = lambda p: isinstance(getattr(p, "_local_tensor", p), QuantizedStack)
-    placeholders.update({name: torch.zeros((p.shape[0], 0, 0), dtype=torch.uint8) for name, p in parameters.items() if held(p) and name not in stored})
+    # A stack held quantized is stored as its experts' entries: its placeholder is `_stack_placeholder`.
+    placeholders.update({name: _stack_placeholder(p) for name, p in parameters.items() if is_stack(p) and name not in stored})
     if not placeholders:
         return stored, metadata
     description["placeholders"] = sorted(placeholders)
     stored = {**stored, **placeholders}
     return stored, {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
+
+
+def _stack_placeholder(stack) -> torch.Tensor:
+    """A held stack's placeholder: a stack of empty matrices, which transformers' conversions split
+    into (and merge back from) empty per-expert matrices as they would the stack's own values."""
+    return torch.zeros((stack.shape[0], 0, 0), dtype=torch.uint8)
 
 
 def described_as_stored(model, metadata: dict[str, str]) -> dict[str, str]:
@@ -45,9 +48,9 @@ def described_as_stored(model, metadata: dict[str, str]) -> dict[str, str]:
 
     description = json.loads(metadata[checkpoint.METADATA_KEY])
     parameters = dict(model.named_parameters())
-    stacks = [name for name in description.get("placeholders", []) if isinstance(getattr(parameters.get(name), "_local_tensor", parameters.get(name)), QuantizedStack)]
+    stacks = [name for name in description.get("placeholders", []) if is_stack(parameters.get(name))]
     if stacks:  # a held stack's placeholder, under the names its empty matrices are stored under
-        split = revert_weight_conversion(model, {name: torch.zeros((parameters[name].shape[0], 0, 0), dtype=torch.uint8) for name in stacks})
+        split = revert_weight_conversion(model, {name: _stack_placeholder(parameters[name]) for name in stacks})
         description["placeholders"] = sorted((set(description["placeholders"]) - set(stacks)) | set(split))
         metadata = {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
     keys = sorted(qtensor_entries(model) | set(description["tensors"]))

@@ -29,7 +29,7 @@ from ..core.numerics import all_reduce_max, ceil_div, sharded_cast
 from ..core.ops import mark_scales, scales_agreed
 from ..core.quantizer import autocast_off
 from .fsdp_state import placement_groups
-from .packing import PACK_DTYPES as _PACK_DTYPES, aligned as _aligned, row_buffers as _row_buffers, unpacked_rows
+from .packing import aligned as _aligned, payload as _payload, row_buffers as _row_buffers, unpacked_rows
 from ..core.storage import DIRECTIONS, Storage
 from ..core.tensor import QuantizedTensor, rows_per_index, split_rebuilt as _split_rebuilt
 
@@ -165,18 +165,11 @@ def pre_all_gather(tensor: QuantizedTensor, mesh, outer_size: torch.Size, needed
         return inputs, GatherPlan(sent, rebuilt, shard_rows, packed, world_size, in_place=True)
     # Every gather of this parameter sends the same number of bytes: the most any phase sends.
     capacity = max(_payload_bytes(tensor, phase_sent, shard_rows) for _, phase_sent in splits)
-    if packed:  # uneven shards: FSDP2 wants the input in the padded shard's shape
-        padded_shape = (ceil_div(outer_size[0], world_size), *outer_size[1:])
-        dtype = next(d for d in _PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity)
-        payload = torch.zeros(padded_shape, dtype=dtype, device=tensor.device)
-    else:
-        payload = torch.zeros(capacity, dtype=torch.uint8, device=tensor.device)
-    raw, offset = payload.view(-1).view(torch.uint8), 0
-    for buffer in pieces:
-        raw[offset : offset + buffer.nbytes].copy_(buffer.reshape(-1).view(torch.uint8))
-        offset += _aligned(buffer.nbytes)
-    count_gather((payload,), mesh, outer_size)
-    return (payload,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size, alternating=alternating)
+    # Uneven shards: FSDP2 wants the input in the padded shard's shape.
+    padded_shape = (ceil_div(outer_size[0], world_size), *outer_size[1:]) if packed else None
+    packed_input = _payload(pieces, [_aligned(b.nbytes) for b in pieces], capacity, tensor.device, padded_shape)
+    count_gather((packed_input,), mesh, outer_size)
+    return (packed_input,), GatherPlan(sent, rebuilt, shard_rows, packed, world_size, alternating=alternating)
 
 
 @without_autocast

@@ -38,31 +38,40 @@ def unpacked_rows(raw: torch.Tensor, template: Storage, rows: int, offset: int =
     return template.rebuilt(buffers, rows=rows), offset
 
 
-# ---- uneven shards of whole experts (layers/quantized_stack.py) --------------------------------------
+# ---- one all-gather input holding several buffers' bytes ----------------------------------------
 # The integer dtypes an all-gather can carry: gloo refuses int16 (`Invalid scalar type`) and NCCL has none.
 PACK_DTYPES = (torch.uint8, torch.int32, torch.int64)
 
 
-def packed_experts(buffers: list[torch.Tensor], padded_shape) -> torch.Tensor:
-    """`buffers` (each `[local experts, ...]`) as one tensor of `padded_shape` (FSDP2's padded shard
-    of a stack, `[padded experts, ...]`, whose shape every all-gather input of an uneven shard must
-    have): each buffer's bytes at its own offset, room for `padded_shape[0]` experts each (zero bytes
-    for the experts this rank lacks), in the smallest integer dtype that holds them all."""
-    padded = padded_shape[0]
-    capacity = sum(aligned(padded * _expert_bytes(b)) for b in buffers)
-    dtype = next((d for d in PACK_DTYPES if math.prod(padded_shape) * d.itemsize >= capacity), None)
-    if dtype is None:
-        raise NotImplementedError(
-            f"An expert stack of {list(padded_shape[1:])} matrices split unevenly: its experts' codes and scales "
-            f"({capacity} bytes a shard) do not fit FSDP2's padded shard even as int64. Shard it evenly, or keep it dynamic."
-        )
-    payload = torch.zeros(padded_shape, dtype=dtype, device=buffers[0].device)
-    raw, offset = payload.view(-1).view(torch.uint8), 0
-    for buffer in buffers:
+def payload(buffers: list[torch.Tensor], rooms: list[int], capacity: int, device, shape=None) -> torch.Tensor:
+    """One all-gather input of `capacity` bytes holding each buffer's bytes at the start of its room
+    (`rooms`: bytes each, laid end to end; the rest zero): a uint8 tensor, or with `shape` (FSDP2's
+    padded shard, which every all-gather input of an uneven shard must match) a tensor of that shape
+    in the smallest of PACK_DTYPES that holds `capacity` bytes."""
+    if shape is None:
+        packed = torch.zeros(capacity, dtype=torch.uint8, device=device)
+    else:
+        dtype = next((d for d in PACK_DTYPES if math.prod(shape) * d.itemsize >= capacity), None)
+        if dtype is None:
+            raise NotImplementedError(
+                f"{capacity} bytes of codes and scales do not fit FSDP2's padded shard {list(shape)} even as int64: "
+                "shard this weight evenly, or keep its layer out of quantize_."
+            )
+        packed = torch.zeros(shape, dtype=dtype, device=device)
+    raw, offset = packed.view(-1).view(torch.uint8), 0
+    for buffer, room in zip(buffers, rooms):
         if buffer.numel():
             raw[offset : offset + buffer.nbytes].copy_(buffer.contiguous().reshape(-1).view(torch.uint8))
-        offset += aligned(padded * _expert_bytes(buffer))
-    return payload
+        offset += room
+    return packed
+
+
+def packed_experts(buffers: list[torch.Tensor], padded_shape) -> torch.Tensor:
+    """`buffers` (each `[local experts, ...]`) as one tensor of `padded_shape` (FSDP2's padded shard
+    of a stack, `[padded experts, ...]`): room for `padded_shape[0]` experts of each buffer (zero
+    bytes for the experts this rank lacks), as `payload` packs them."""
+    rooms = [aligned(padded_shape[0] * _expert_bytes(b)) for b in buffers]
+    return payload(buffers, rooms, sum(rooms), buffers[0].device, padded_shape)
 
 
 def unpacked_experts(output: torch.Tensor, templates: list[torch.Tensor], world_size: int, experts: int) -> list[torch.Tensor]:

@@ -196,10 +196,7 @@ class DynamicWeight(LayerWeight, torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         sharding = self._note_fsdp(mesh, module)
         linear = self.linear_quantizers
-        # A stack that only FSDP2 shards (by experts): a tensor-parallel piece of each expert would
-        # need its tensor-wide amaxes reduced over the other pieces, which the values' cast after the gather does.
-        only_fsdp = sharding.shard_groups == (sharding.mesh_group,)
-        if self.dim() == 3 and only_fsdp and quantized_stack.gathers_as_experts(linear, outer_size, mesh):
+        if self.dim() == 3 and quantized_stack.gathers_as_experts(linear, outer_size, mesh, sharding):
             stack = self._quantized_experts(mp_policy.param_dtype)
             inputs, metadata = stack.fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
             if torch._C._current_graph_task_id() != -1 and fsdp_state.trains(self, sharding.param_group):

@@ -222,16 +222,19 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         return _over_stacked(stacked, layout, linear, shape=outer_size, stride=outer_stride)
 
 
-def gathers_as_experts(linear: LinearQuantizers, outer_size, mesh) -> bool:
+def gathers_as_experts(linear: LinearQuantizers, outer_size, mesh, sharding) -> bool:
     """Whether FSDP2 gathers a dynamic stack's shard as a `QuantizedStack` of its experts' bytes
     (DynamicWeight.fsdp_pre_all_gather): each rank casts its own whole experts, each on its own, as
     one process casts them, and the gathered stack multiplies as a held one does. That needs
-    experts split evenly over the mesh (FSDP2 pads an uneven split), no running state per expert
-    (delayed scaling's, kept by the one-process cast) and no backward override (whose backward
-    reads the original values): such a stack gathers its values instead."""
+    experts split evenly over the mesh (FSDP2 pads an uneven split) and by FSDP2 alone (`sharding`,
+    an `fsdp_state.FsdpLayer`: a tensor-parallel piece of each expert would need its tensor-wide
+    amaxes reduced over the other pieces), no running state per expert (delayed scaling's, kept by
+    the one-process cast) and no backward override (whose backward reads the original values):
+    any other stack gathers its values, cast after the gather."""
     if linear.weight is None or linear.experts or linear.backward_override is not None:
         return False
-    return mesh.size() > 1 and outer_size[0] % mesh.size() == 0
+    only_fsdp = sharding.shard_groups == (sharding.mesh_group,)
+    return only_fsdp and mesh.size() > 1 and outer_size[0] % mesh.size() == 0
 
 
 def quantized_stack(values: torch.Tensor, linear: LinearQuantizers) -> QuantizedStack:
