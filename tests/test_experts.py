@@ -17,6 +17,7 @@ from torch import nn
 
 import oracle
 import qtensor
+from qtensor.core import kernels
 from qtensor.core.quantizer import RowGroups
 from qtensor.formats import float8_groups
 from qtensor.layers import grouped_linear
@@ -481,27 +482,43 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
 @pytest.mark.parametrize("ends", [[32, 32, 96, 128, 128, 160, 192, 192, 224, 256], [16, 16, 53, 112, 112, 130, 161, 161, 200, 240]],
                          ids=["groups of 16s", "groups of any size"])
 @pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("accumulation", ["split", "fast"])
 @pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8", "float8"])
-def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights):
+def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumulation):
     """A bf16 stack of ten experts and its input, every dimension a multiple of 32: each GEMM of the
-    grouped linear is one grouped GEMM over every group (Float8: `torch._scaled_grouped_mm` on the
-    FP8 tensor cores; MXFP8: `torch._grouped_mm` over the exact bf16 values; per-tensor Float8 with
-    an E5M2 gradient: the forward so, the backward group by group on the FP8 tensor cores, reading
-    each group's slice of the grouped casts in place), within the bf16 output's rounding of the
-    oracle's product, group by group."""
+    grouped linear is one grouped GEMM over every group (Float8 on the FP8 tensor cores: qtensor's
+    grouped kernel for the split accumulator, `torch._scaled_grouped_mm` for fast accumulation;
+    MXFP8: `torch._grouped_mm` over the exact bf16 values; per-tensor Float8 with an E5M2 gradient:
+    the forward so, the backward group by group on the FP8 tensor cores, reading each group's slice
+    of the grouped casts in place), within the bf16 output's rounding of the oracle's product,
+    group by group."""
+    if case == "mxfp8" and accumulation == "fast":
+        pytest.skip("MXFP8 multiplies its values on the bf16 tensor cores: no FP8 accumulation to choose")
     experts, k, n, rows = 10, 128, 64, 256
     module = nn.Module()
     module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(torch.bfloat16))
     w = [module.weight_stack[e].detach().float().numpy() for e in range(experts)]
-    qtensor.quantize_(module, factory_for(case), weights=weights)
+    fast = accumulation == "fast"
+    qtensor.quantize_(module, qtensor.Recipe(factory_for(case), fprop_fast_accumulation=fast, backward_fast_accumulation=fast), weights=weights)
     module.cuda()
     x, grad = varied(rows, k, seed=2).to(torch.bfloat16), varied(rows, n, seed=3).to(torch.bfloat16)
     call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
     launcher = "_grouped_mm" if case == "mxfp8" else "_scaled_grouped_mm"
-    with mock.patch.object(torch, launcher, wraps=getattr(torch, launcher)) as launches:
+    kernels.registered()
+    names = ("grouped_mm.float8_rows", "grouped_mm.float8_columns")
+    counted = {name: mock.Mock(wraps=kernels.TABLE.eager[name]) for name in names}
+    with mock.patch.object(torch, launcher, wraps=getattr(torch, launcher)) as launches, mock.patch.dict(kernels.TABLE.eager, counted):
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
     # (the model's own call, on the stack, passes through the patched function on its way to qtensor)
-    assert sum(type(call.args[1]) is torch.Tensor for call in launches.call_args_list) == (1 if case == "float8" else 3)
+    torch_launches = sum(type(call.args[1]) is torch.Tensor for call in launches.call_args_list)
+    ours = [counted[name].call_count for name in names]
+    grouped_backward = case != "float8"  # per-tensor Float8's E5M2 gradient: the backward group by group
+    if case == "mxfp8":
+        assert (torch_launches, ours) == (3, [0, 0])
+    elif fast:
+        assert (torch_launches, ours) == (3 if grouped_backward else 1, [0, 0])
+    else:
+        assert (torch_launches, ours) == (0, [2, 1] if grouped_backward else [1, 0])
     deq = CASES[case][1]
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:
@@ -519,8 +536,9 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights):
-    """`Recipe(..., backward_fast_accumulation=True)` on a row-wise Float8 stack: all three grouped
-    GEMMs launch with fast accumulation, and each stays within its bound (2**-7 of |A|·|B|, plus the
+    """`Recipe(..., backward_fast_accumulation=True)` on a row-wise Float8 stack: dgrad and wgrad
+    launch torch's grouped GEMM with fast accumulation (fprop keeps the split accumulator, qtensor's
+    grouped kernel), and each stays within its bound (2**-7 of |A|·|B|, plus the
     bf16 output's rounding) of the oracle's product."""
     experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
     module = nn.Module()
@@ -530,9 +548,13 @@ def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights):
     module.cuda()
     x, grad = varied(ends[-1], k, seed=2).to(torch.bfloat16), varied(ends[-1], n, seed=3).to(torch.bfloat16)
     call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
-    with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches:
+    kernels.registered()
+    split_fprop = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.float8_rows"])
+    with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches, \
+            mock.patch.dict(kernels.TABLE.eager, {"grouped_mm.float8_rows": split_fprop}):
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
-    assert [c.kwargs["use_fast_accum"] for c in launches.call_args_list] == [False, True, True]  # fprop: the factory's own choice
+    assert [c.kwargs["use_fast_accum"] for c in launches.call_args_list] == [True, True]
+    assert split_fprop.call_count == 1  # fprop: the factory's own choice, the split accumulator (qtensor's kernel)
     deq = CASES["float8_rowwise"][1]
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:

@@ -57,6 +57,8 @@ REFERENCES: dict[str, str] = {
     "float8_groups.column_amax": "formats.float8_groups._column_amax: each group's column amaxes",
     "float8_groups.cast": "formats.float8_groups._cast: each group's codes at its column scales, rowwise and padded columnwise",
     "gemm.scale_output": "gemm.backends._scale_and_finish",
+    "grouped_mm.float8_rows": "torch._scaled_grouped_mm of FP8 rows and a stack, split accumulator (fprop, dgrad)",
+    "grouped_mm.float8_columns": "torch._scaled_grouped_mm of two columnwise copies, split accumulator (wgrad)",
 }
 
 # The kernels whose reference the compiler traces and fuses (see the module's docstring).

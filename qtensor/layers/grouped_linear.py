@@ -11,7 +11,7 @@ scales of its own cast, as that expert's quantized linear would cast it (linear.
   (`gemm.grouped.scaled_nt`);
 - `PaddedGroupsFunction`: MXFP8 over more than a few experts, the routed rows cast as one tensor
   with each group padded to whole blocks for the columnwise copy, each GEMM one bf16 grouped GEMM
-  over the exact values (`gemm.grouped.values_nt`);
+  over the exact values (`gemm.grouped.blocks_rows`, `blocks_columns`);
 - `GroupedLinearFunction`: any other layer, each group cast and multiplied in turn
   (`gemm.grouped.fprop` / `dgrad` / `wgrad`), every backward override included.
 """
@@ -162,8 +162,8 @@ class PaddedGroupsFunction(torch.autograd.Function):
     as one tensor (a row's codes do not depend on its group); their columnwise copy, from the rows
     with each group run on to a whole number of blocks with zero rows, so that no block spans two
     groups; the stack's experts as one [E·N, K] matrix (N a whole number of blocks). Each GEMM is
-    one grouped GEMM over the dequantized values (`gemm.grouped.values_nt`). The codes and scales are
-    those of the groups and experts cast one by one."""
+    one grouped GEMM over the dequantized values (`gemm.grouped.blocks_rows`, `blocks_columns`).
+    The codes and scales are those of the groups and experts cast one by one."""
 
     @staticmethod
     def forward(ctx, x, stack, groups: RowGroups, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
@@ -184,10 +184,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
             # of these blocks has no tensor-wide scale, and N is whole blocks: `_pads_groups`)
             w_q = stack.joined()
         out_dtype = _output_dtype(x, stack)
-        y = gemm.grouped.values_nt(
-            _values(x_q, "rowwise"), _values(w_q, "rowwise").view(experts, n, k).transpose(-2, -1), groups.offsets(False), groups.lengths,
-            out_dtype,
-        )
+        y = gemm.grouped.blocks_rows(x_q, w_q, "rowwise", experts, groups.offsets(False), groups.lengths, out_dtype)
         saved, ctx.rebuilds = [], []
         for tensor, needed in ((x_col, weight_needs_grad), (w_q, input_needs_grad)):
             tensors, rebuild = _pack_saved(tensor, "columnwise") if needed else ([None], None)
@@ -195,14 +192,14 @@ class PaddedGroupsFunction(torch.autograd.Function):
             saved.extend(tensors)
         ctx.save_for_backward(*saved)
         ctx.groups, ctx.linear, ctx.needs_grad, ctx.in_out = groups, linear, needs_grad, in_out
-        ctx.shapes = (x.shape, x.dtype, stack.dtype, (experts, n, k), _wgrad_dtype(out_dtype, stack))
+        ctx.shapes = (x.shape, x.dtype, stack.dtype, experts, _wgrad_dtype(out_dtype, stack))
         return _rows_past_end_zero(y, x.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         linear, groups = ctx.linear, ctx.groups
         input_needs_grad, weight_needs_grad = ctx.needs_grad
-        x_shape, x_dtype, stack_dtype, (experts, n, k), wgrad_dtype = ctx.shapes
+        x_shape, x_dtype, stack_dtype, experts, wgrad_dtype = ctx.shapes
         (x_count, x_rebuild), (w_count, w_rebuild) = ctx.rebuilds
         saved = ctx.saved_tensors
         x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), _unpack_saved(saved[x_count:], w_rebuild)
@@ -212,14 +209,12 @@ class PaddedGroupsFunction(torch.autograd.Function):
         both = input_needs_grad and weight_needs_grad and padded.padded == padded.lengths  # both copies from one cast
         g_q = _quantize(linear.grad_output, grad, rowwise=True, columnwise=True) if both else None
         if input_needs_grad:
-            g_row = _values(g_q if both else _quantize(linear.grad_output, grad, rowwise=True, columnwise=False), "rowwise")
-            w_values = _values(w_col, "columnwise").reshape(experts, n, k)  # each expert's [N, K], read along N
-            grad_x = _rows_past_end_zero(gemm.grouped.values_nt(g_row, w_values, groups.offsets(False), groups.lengths, x_dtype), x_shape[0])
+            g_row = g_q if both else _quantize(linear.grad_output, grad, rowwise=True, columnwise=False)
+            grad_x = gemm.grouped.blocks_rows(g_row, w_col, "columnwise", experts, groups.offsets(False), groups.lengths, x_dtype)
+            grad_x = _rows_past_end_zero(grad_x, x_shape[0])
         if weight_needs_grad:
-            g_col = _values(g_q if both else _quantize(linear.grad_output, _padded(grad, padded), rowwise=False, columnwise=True), "columnwise")
-            grad_stack = gemm.grouped.values_nt(
-                g_col.t(), _values(x_col, "columnwise"), padded.offsets(True), padded.padded, wgrad_dtype
-            ).to(stack_dtype)  # [experts, out, in]
+            g_col = g_q if both else _quantize(linear.grad_output, _padded(grad, padded), rowwise=False, columnwise=True)
+            grad_stack = gemm.grouped.blocks_columns(g_col, x_col, padded.offsets(True), padded.padded, wgrad_dtype).to(stack_dtype)  # [experts, out, in]
             grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
         return grad_x, grad_stack, None, None, None, None
 
@@ -237,11 +232,6 @@ def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     out = rows.new_zeros((sum(groups.padded), rows.shape[1]))
     out.index_copy_(0, groups.positions(), rows)
     return out
-
-
-def _values(tensor: QuantizedTensor, direction: str) -> torch.Tensor:
-    """One direction's values, [rows, cols]: bf16 on a GPU (exact for these formats), fp32 elsewhere."""
-    return tensor.dequantize(torch.bfloat16 if tensor.storage_for(direction).device.type == "cuda" else torch.float32, direction)
 
 
 def _wgrad_dtype(out_dtype: torch.dtype, stack) -> torch.dtype:

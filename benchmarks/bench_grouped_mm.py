@@ -1,0 +1,86 @@
+"""The grouped FP8 GEMMs of an expert stack at the Qwen3-30B-A3B-like shapes (128 experts, hidden
+2048, width 768, 131,072 routed rows in balanced groups): each of the three GEMMs of both stacks,
+FP8 codes with a factor per row (float8_rowwise's grouped operands):
+
+- `bf16`: torch's grouped GEMM over bf16 operands (the bf16 model's own GEMM);
+- `torch split` / `torch fast`: `torch._scaled_grouped_mm` with the split accumulator and with fast
+  accumulation;
+- `kernel split` / `kernel fast`: qtensor's grouped kernel (qtensor_kernels/grouped_mm.py), for each
+  tile with `--sweep` (default: the kernel's own).
+
+Also prints the kernel's largest difference from torch's split product (same codes and factors).
+
+    python benchmarks/bench_grouped_mm.py [--sweep]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from qtensor.core.kernels import registered  # noqa: E402
+from timing import median_ms  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="time every tile of FLOAT8_SWEEP")
+    args = parser.parse_args()
+    registered()
+    float8(args.sweep)
+
+
+FLOAT8_SWEEP = {
+    "rows": [(128, 128, 128, 8, 4), (256, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 64, 8, 4)],
+    "columns": [(128, 128, 128, 8, 4), (128, 128, 64, 8, 4), (128, 128, 128, 4, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (64, 128, 128, 4, 4)],
+}
+
+
+def float8(sweep: bool):
+    from qtensor_kernels import grouped_mm
+
+    experts, hidden, width, rows = 128, 2048, 768, 131072
+    ends = torch.tensor([rows // experts] * experts, device="cuda").cumsum(0).to(torch.int32)
+    fp8 = lambda *shape: torch.randn(*shape, device="cuda").to(torch.float8_e4m3fn)
+    scale = lambda *shape: torch.rand(*shape, device="cuda") + 0.5
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; Float8 row-wise, median ms of 20 calls")
+    print(f"{'stack':10} {'gemm':6} {'system':34} {'ms':>8} {'x bf16':>7}")
+    for name, (n, k) in {"gate_up": (2 * width, hidden), "down": (hidden, width)}.items():
+        x, grad = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        w3 = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+        a_f, sa_f, b_f, sb_f = fp8(rows, k), scale(rows), fp8(experts, n, k), scale(experts, n)
+        a_d, sa_d, b_d, sb_d = fp8(rows, n), scale(rows), fp8(experts, k, n), scale(experts, k)
+        a_w, sa_w, b_w, sb_w = fp8(n, rows), scale(experts, n), fp8(k, rows), scale(experts, k)
+        cases = {
+            "fprop": (lambda: torch._grouped_mm(x, w3.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
+                      lambda fast: torch._scaled_grouped_mm(a_f, b_f.transpose(-2, -1), sa_f, sb_f, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=fast),
+                      lambda fast, tile: grouped_mm.float8_rows(a_f, sa_f, b_f, sb_f, ends, torch.bfloat16, fast, tile)),
+            "dgrad": (lambda: torch._grouped_mm(grad, w3, offs=ends, out_dtype=torch.bfloat16),
+                      lambda fast: torch._scaled_grouped_mm(a_d, b_d.transpose(-2, -1), sa_d, sb_d, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=fast),
+                      lambda fast, tile: grouped_mm.float8_rows(a_d, sa_d, b_d, sb_d, ends, torch.bfloat16, fast, tile)),
+            "wgrad": (lambda: torch._grouped_mm(grad.t(), x, offs=ends, out_dtype=torch.bfloat16),
+                      lambda fast: torch._scaled_grouped_mm(a_w, b_w.t(), sa_w.reshape(-1), sb_w.reshape(-1), offs=ends, out_dtype=torch.bfloat16, use_fast_accum=fast),
+                      lambda fast, tile: grouped_mm.float8_columns(a_w, sa_w, b_w, sb_w, ends, torch.bfloat16, fast, tile)),
+        }
+        for gemm_name, (bf16, torch_fp8, kernel) in cases.items():
+            base = median_ms(bf16)
+            reference, ours = torch_fp8(False).float(), kernel(False, None).float()
+            difference = ((ours - reference).abs().max() / reference.abs().max()).item()
+            print(f"{name:10} {gemm_name:6} {'bf16':34} {base:8.3f} {1.0:7.2f}   kernel vs torch: max diff {difference:.2e} of max")
+            for fast in (False, True):
+                label = "fast" if fast else "split"
+                ms = median_ms(lambda: torch_fp8(fast))
+                print(f"{name:10} {gemm_name:6} {'torch ' + label:34} {ms:8.3f} {base / ms:7.2f}")
+                for tile in FLOAT8_SWEEP["columns" if gemm_name == "wgrad" else "rows"] if sweep else [None]:
+                    try:
+                        ms = median_ms(lambda: kernel(fast, tile))
+                    except Exception as error:  # a tile the compiler refuses (shared memory)
+                        print(f"{name:10} {gemm_name:6} {'kernel ' + label + ' ' + str(tile):34} failed: {type(error).__name__}")
+                        continue
+                    print(f"{name:10} {gemm_name:6} {'kernel ' + label + ' ' + str(tile or 'default'):34} {ms:8.3f} {base / ms:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

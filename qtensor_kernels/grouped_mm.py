@@ -1,0 +1,130 @@
+"""Grouped GEMMs of FP8 codes with a factor per row (the grouped operands of formats/float8_groups.py)
+on the FP8 tensor cores, for an expert stack's grouped linear (qtensor/layers/grouped_linear.py).
+They compute what `torch._scaled_grouped_mm` computes, C = (A · Bᵀ) times each row's factor of A
+and of B, in fp32, rounded once, and run where qtensor asks for the split accumulator (partial
+sums promoted to fp32 after each BLOCK_K of the reduction; docs/numerics.md, FP8 GEMMs): on an
+H100 at the Qwen3-like shapes torch's split-accumulator grouped GEMMs ran at 0.37-0.49x a bf16
+grouped GEMM, these at 0.92-1.25x (benchmarks/bench_grouped_mm.py, docs/experts.md).
+
+- `float8_rows(a, a_scale, b, b_scale, ends, ...)`: C[rows of group e] = A[rows of e] · B_eᵀ
+  (fprop, dgrad), A [M, K], B [E, N, K]. `ends` (on the device) are the groups' cumulative row
+  ends; each program finds its group and rows from them, so the host sends nothing and waits for
+  nothing.
+- `float8_columns(a, a_scale, b, b_scale, ends, ...)`: C_e = A[:, run e] · B[:, run e]ᵀ (wgrad),
+  A [N, R] and B [K, R] columnwise copies, each group's run of columns whole 16s (the casts'
+  padding, zero codes after a group's rows); a group with an empty run gets zeros.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch
+
+
+@triton.jit
+def _float8_rows_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K, stride_am, stride_om,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
+):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile, column_tile = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
+    group_ids = tl.arange(0, E_POW2)
+    ends = tl.load(ends_ptr + group_ids, mask=group_ids < E, other=0).to(tl.int64)
+    starts = tl.load(ends_ptr + group_ids - 1, mask=(group_ids > 0) & (group_ids < E), other=0).to(tl.int64)
+    tiles = tl.where(group_ids < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    tiles_through = tl.cumsum(tiles, 0)
+    group = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    if group >= E:
+        return
+    this = group_ids == group
+    first_tile = tl.sum(tl.where(this, tiles_through - tiles, 0), 0)
+    row_end = tl.sum(tl.where(this, ends, 0), 0)
+    offs_m = tl.sum(tl.where(this, starts, 0), 0) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < row_end, offs_n < N
+    b_rows = b_ptr + group.to(tl.int64) * N * K + offs_n[:, None] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
+    b_scale = tl.load(b_scale_ptr + group.to(tl.int64) * N + offs_n, mask=n_ok, other=0.0)
+    out = acc * a_scale[:, None] * b_scale[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _float8_columns_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K, R,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr,
+):
+    tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
+    per_group = tiles_n * tiles_k
+    group, tile = tl.program_id(0) // per_group, tl.program_id(0) % per_group
+    offs_n = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok, k_ok = offs_n < N, offs_k < K
+    run_end = tl.load(ends_ptr + group).to(tl.int64)
+    run_start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # Runs of whole 16s (the callers' padding): 16-byte vectors along them, which masks at a run's
+    # end would otherwise break into single bytes.
+    run_start = tl.multiple_of(run_start, 16)
+    a_rows = a_ptr + offs_n.to(tl.int64)[:, None] * R + run_start
+    b_rows = b_ptr + offs_k.to(tl.int64)[:, None] * R + run_start
+    length = tl.multiple_of((run_end - run_start).to(tl.int32), 16)
+    for r0 in range(0, length, BLOCK_R):  # an int32 count from 0, which the pipeliner takes
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < length
+        a = tl.load(a_rows + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_rows + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
+    a_scale = tl.load(a_scale_ptr + group.to(tl.int64) * N + offs_n, mask=n_ok, other=0.0)
+    b_scale = tl.load(b_scale_ptr + group.to(tl.int64) * K + offs_k, mask=k_ok, other=0.0)
+    out = acc * a_scale[:, None] * b_scale[None, :]
+    tl.store(out_ptr + group.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :], out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+# (BLOCK_M or BLOCK_N, BLOCK_N or BLOCK_K, BLOCK_K or BLOCK_R, warps, stages) by fast accumulation,
+# the fastest of benchmarks/bench_grouped_mm.py --sweep on an H100 at the Qwen3-like shapes.
+TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3)}
+
+
+def float8_rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None):
+    """C [M, N]: rows of group e of A [M, K] (FP8 codes, a factor per row) times B_eᵀ (B [E, N, K],
+    factors [E, N]), summed on the FP8 tensor cores (promoted to fp32 after each BLOCK_K of the
+    reduction unless `fast_accumulation`), times both rows' factors, rounded once to `out_dtype`."""
+    (m, k), (experts, n, _) = a_data.shape, b_data.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=a_data.device)
+    block_m, block_n, block_k, warps, stages = tile or TILES[fast_accumulation]
+    if m and n:
+        grid = ((triton.cdiv(m, block_m) + experts) * triton.cdiv(n, block_n),)
+        launch(
+            _float8_rows_kernel, grid, a_data, a_scale, b_data, b_scale, out, ends, experts, n, k, a_data.stride(0), out.stride(0),
+            E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            IMPRECISE=None if fast_accumulation else block_k, num_warps=warps, num_stages=stages,
+        )
+    return out
+
+
+def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None):
+    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for A [N, R] and B [K, R] (FP8 codes; factors
+    per group and row, [E, N] and [E, K]); a group with an empty run gets zeros."""
+    (n, r), k, experts = a_data.shape, b_data.shape[0], ends.shape[0]
+    out = torch.empty((experts, n, k), dtype=out_dtype, device=a_data.device)
+    block_n, block_k, block_r, warps, stages = tile or TILES[fast_accumulation]
+    if experts and n and k:
+        grid = (experts * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
+        launch(
+            _float8_columns_kernel, grid, a_data, a_scale, b_data, b_scale, out, ends, n, k, r,
+            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=None if fast_accumulation else block_r,
+            num_warps=warps, num_stages=stages,
+        )
+    return out
+
+
+# Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
+KERNELS = {"grouped_mm.float8_rows": float8_rows, "grouped_mm.float8_columns": float8_columns}
