@@ -3,8 +3,8 @@ on the FP8 tensor cores, for an expert stack's grouped linear (qtensor/layers/gr
 They compute what `torch._scaled_grouped_mm` computes, C = (A · Bᵀ) times each row's factor of A
 and of B, in fp32, rounded once, and run where qtensor asks for the split accumulator (partial
 sums promoted to fp32 after each BLOCK_K of the reduction; docs/numerics.md, FP8 GEMMs): on an
-H100 at the Qwen3-like shapes torch's split-accumulator grouped GEMMs ran at 0.37-0.49x a bf16
-grouped GEMM, these at 0.92-1.25x (benchmarks/bench_grouped_mm.py, docs/experts.md).
+H100 at the Qwen3-like shapes torch's split-accumulator grouped GEMMs ran at 0.37-0.50x a bf16
+grouped GEMM, these at 0.89-1.24x (benchmarks/bench_grouped_mm.py, docs/experts.md).
 
 - `float8_rows(a, a_scale, b, b_scale, ends, ...)`: C[rows of group e] = A[rows of e] · B_eᵀ
   (fprop, dgrad), A [M, K], B [E, N, K]. `ends` (on the device) are the groups' cumulative row

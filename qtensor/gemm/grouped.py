@@ -44,7 +44,7 @@ def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumul
 
     On the FP8 tensor cores where `torch._scaled_grouped_mm` takes the operands (E4M3 × E4M3, bf16
     out, dimensions multiples of 16): one launch for every group, qtensor's kernel for the split
-    accumulator (qtensor_kernels/grouped_mm.py: 2 to 3 times torch's speed there, measured on an
+    accumulator (qtensor_kernels/grouped_mm.py: 1.9 to 3 times torch's speed there, measured on an
     H100 at the Qwen3-like shapes, docs/experts.md) and torch's for fast accumulation. Else group
     by group: FP8 GEMMs with tensor scales where every factor of a group is one scale
     (`tensor_scaled`) and `_scaled_mm` takes the pair, otherwise the reference product of the
