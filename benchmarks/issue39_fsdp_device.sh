@@ -17,7 +17,7 @@ run() {  # name, command...
     echo "$name rc=$?: $(tail -1 "$OUT/$name.log")"
     grep -E "^(FAILED|ERROR)|Error:" "$OUT/$name.log" | head -10
 }
-run experts_fsdp_nccl env QTENSOR_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_experts.py -k fsdp2
+run experts_fsdp_nccl env QTENSOR_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_experts.py -k "fsdp2 or one_rank"
 run hf_fsdp_nccl env QTENSOR_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_hf_fsdp.py
-run stacks_cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_experts.py tests/test_quantized_stacks.py
+run stacks_cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_experts.py tests/test_quantized_stacks.py tests/test_cuda_grouped_mm.py
 timeout 500 torchrun --nproc_per_node 2 benchmarks/bench_moe_fsdp.py "$@" 2>&1 | grep -v Warning | tee "$OUT/bench_moe_fsdp.log"
