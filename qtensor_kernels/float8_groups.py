@@ -4,6 +4,10 @@ their pure-torch references there:
 - `column_amax(x, starts, lengths, longest, rows)`: [G, K] finite amax of each column over each
   group of rows of `x` [R, K] (group g: rows starts[g] ... starts[g] + lengths[g] - 1; 0 for an
   empty group), and with `rows` each row's finite amax too, from the same read.
+- `scales(amax, fp8_max, amax_epsilon, pow2)`: Float8's current scale of each amax, fp8_max /
+  max(amax, amax_epsilon) (1 for 0, FLT_MAX on overflow, rounded down to a power of two with
+  `pow2`), and its inverse, each division correctly rounded (numerics.exact_quotient): one launch
+  where the reference takes a dozen small ones.
 - `cast(x, scale, starts, lengths, longest, fp8_dtype, row_out, col_out, col_bases, col_stride,
   row_scale)`: each group's rows cast at its per-column scales `scale[g, k]` (a tensor scale: one
   column broadcast), written transposed into `col_out` (group g's codes of column k at
@@ -11,7 +15,8 @@ their pure-torch references there:
   the grouped GEMM's alignment, with zero codes) and rowwise into `row_out` [R, K], at `row_scale`
   [R] (one scale per row) where it is given. Both copies from one read of `x`.
 
-One program per (group, block of rows, block of columns); a block past its group's rows returns.
+The casts: one program per (group, block of rows, block of columns); a block past its group's rows
+returns.
 """
 
 import torch
@@ -24,6 +29,7 @@ from .launch import launch
 _AMAX_TILE = (64, 64)  # rows per step, columns per program
 _CAST_TILE = (64, 64)  # rows, columns per program (rows a multiple of 16: the padded copies)
 ALIGN = 16
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -109,4 +115,29 @@ def cast(x, scale, starts, lengths, longest: int, fp8_dtype, row_out, col_out, c
     )
 
 
-KERNELS = {"float8_groups.column_amax": column_amax, "float8_groups.cast": cast}
+@triton.jit
+def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, numel, fp8_max, epsilon, POW2: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    amax = tl.maximum(tl.load(amax_ptr + offsets, mask=mask, other=1.0), epsilon, propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.div_rn(tl.full((BLOCK,), fp8_max, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), _FLT_MAX, scale)
+    scale = tl.where(amax == 0.0, 1.0, scale)
+    if POW2:  # numerics.round_down_pow2: the mantissa bits cleared
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    tl.store(scale_ptr + offsets, scale, mask=mask)
+    tl.store(inverse_ptr + offsets, tl.div_rn(tl.full((BLOCK,), 1.0, tl.float32), scale), mask=mask)
+
+
+def scales(amax: torch.Tensor, fp8_max: float, amax_epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1/scale) of each fp32 amax (any shape), as CastsGroups.group_scales and exact_quotient."""
+    amax = amax.contiguous()
+    scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
+    if amax.numel():
+        block = 1024
+        launch(_scales_kernel, (triton.cdiv(amax.numel(), block),), amax, scale, inverse, amax.numel(), float(fp8_max), float(amax_epsilon),
+               POW2=pow2, BLOCK=block, num_warps=4)
+    return scale, inverse
+
+
+KERNELS = {"float8_groups.column_amax": column_amax, "float8_groups.cast": cast, "float8_groups.scales": scales}

@@ -166,6 +166,10 @@ class Float8Quantizer(CastsGroups, Quantizer):
         """[G, K] scales from each group's column amaxes [G, K]: one current scale per group."""
         return self._current_scale(amax.amax(dim=1))[:, None].expand(amax.shape)
 
+    def group_scale_rule(self, amax: torch.Tensor):
+        # One scale per group: from the amax of each group's columns.
+        return amax.amax(dim=1, keepdim=True), self.amax_epsilon, self.force_pow_2_scales
+
     def _current_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """Current scaling's scale (of each element of `amax`, a tensor's amax)."""
         return self._finish(scale_from_amax(torch.clamp_min(amax, self.amax_epsilon), fp8_max(self.fp8_dtype)))

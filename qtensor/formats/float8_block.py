@@ -177,6 +177,9 @@ class Float8BlockQuantizer(CastsGroups, Quantizer):
         """[G, K] scales from each group's column amaxes [G, K]: a columnwise copy's row scales."""
         return block_scales(amax, self.fp8_dtype, self.pow2_scales, self.amax_epsilon)
 
+    def group_scale_rule(self, amax: torch.Tensor):
+        return amax, self.amax_epsilon, self.pow2_scales
+
     def _copy(self, direction: str, x: torch.Tensor) -> Float8BlockStorage:
         y = x if direction == "rowwise" else x.t()
         amax = block_amax(y, self.block_rows, self.block_cols)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..core.kernels import lookup
-from ..core.numerics import exact_quotient, quantize_per_tensor
+from ..core.numerics import exact_quotient, fp8_max, quantize_per_tensor
 from ..core.quantizer import GroupedOperand, RowGroups
 
 ALIGN = 16  # rows per group of a columnwise copy: a multiple of this
@@ -38,14 +38,28 @@ ALIGN = 16  # rows per group of a columnwise copy: a multiple of this
 
 class CastsGroups:
     """The grouped casts of a Float8 quantizer (mixed into `Float8Quantizer` and
-    `Float8BlockQuantizer`), which supplies `grouped_scaling()`, `fp8_dtype` and
-    `group_scales(amax)`: [G, K] fp32 scales from each group's column amaxes [G, K]."""
+    `Float8BlockQuantizer`), which supplies `grouped_scaling()`, `fp8_dtype`,
+    `group_scales(amax)`: [G, K] fp32 scales from each group's column amaxes [G, K], and
+    `group_scale_rule(amax)`: the same scales as (the amaxes they come from, one per group [G, 1]
+    or per column [G, K]; amax_epsilon; whether they round down to powers of two), each scale
+    fp8_max / max(amax, amax_epsilon) by Float8's current-scaling rule."""
 
     def quantize_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
         return cast_rows(self, x, groups, rowwise, columnwise)
 
     def quantize_stack(self, stack: torch.Tensor, rowwise: bool, columnwise: bool):
         return cast_stack(self, stack, rowwise, columnwise)
+
+    def group_scales_and_inverses(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`group_scales(amax)`, its correctly rounded fp32 inverses), [G, K] (a per-group scale
+        broadcast along K): on a GPU from one kernel, instead of a dozen small launches per cast."""
+        kernel = lookup("float8_groups.scales", amax)
+        if kernel is None:
+            scale = self.group_scales(amax)
+            return scale, exact_quotient(1.0, scale)
+        amaxes, epsilon, pow2 = self.group_scale_rule(amax)
+        scale, scale_inv = kernel(amaxes, fp8_max(self.fp8_dtype), epsilon, pow2)
+        return scale.expand(amax.shape), scale_inv.expand(amax.shape)
 
 
 def _column_amax(x: torch.Tensor, groups: RowGroups, rows: bool = False):
@@ -80,9 +94,10 @@ def _cast(x, scale, groups: RowGroups, fp8_dtype, rowwise: bool, col_out, col_st
     return row_out
 
 
-def _row_scales(quantizer, row_amax: torch.Tensor) -> torch.Tensor:
-    """A row-wise quantizer's scale of each row, from the rows' amaxes."""
-    return quantizer.group_scales(row_amax[:, None]).reshape(-1)
+def _row_scales(quantizer, row_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row-wise quantizer's scale of each row and its inverse, from the rows' amaxes ([R] each)."""
+    scale, scale_inv = quantizer.group_scales_and_inverses(row_amax[:, None])
+    return scale.reshape(-1), scale_inv.reshape(-1)
 
 
 def cast_rows(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
@@ -95,7 +110,7 @@ def cast_rows(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, colu
     tensor_scaled = quantizer.grouped_scaling() == "tensor"
     amaxes = _column_amax(x, groups, rows=rowwise and not tensor_scaled)
     col_amax, row_amax = amaxes if rowwise and not tensor_scaled else (amaxes, None)
-    scale = quantizer.group_scales(col_amax)
+    scale, scale_inv = quantizer.group_scales_and_inverses(col_amax)
     columns = sum(groups.padded)
     # Every column is written, the padding too, where the kernel runs; the reference leaves the padding as it is.
     allocate = torch.empty if lookup("float8_groups.cast", x) is not None else torch.zeros
@@ -103,14 +118,13 @@ def cast_rows(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, colu
     row = None
     if tensor_scaled:  # both copies from one pass, at the group's scale
         codes = _cast(x, scale, groups, quantizer.fp8_dtype, rowwise, col_out, columns)
-        scale_inv = exact_quotient(1.0, scale[:, 0])
-        row = GroupedOperand(codes, scale_inv[groups.of_rows()], groups) if rowwise else None
-        col_scale_inv = scale_inv[:, None].expand(scale.shape).contiguous()
+        row = GroupedOperand(codes, scale_inv[:, 0][groups.of_rows()], groups) if rowwise else None
+        col_scale_inv = scale_inv.contiguous()
     else:  # a row's scale does not depend on its group; each group's columns have their own
-        row_scale = _row_scales(quantizer, row_amax) if rowwise else None
+        row_scale, row_scale_inv = _row_scales(quantizer, row_amax) if rowwise else (None, None)
         codes = _cast(x, scale, groups, quantizer.fp8_dtype, rowwise, col_out, columns, row_scale)
-        row = GroupedOperand(codes, exact_quotient(1.0, row_scale), groups) if rowwise else None
-        col_scale_inv = exact_quotient(1.0, scale)
+        row = GroupedOperand(codes, row_scale_inv, groups) if rowwise else None
+        col_scale_inv = scale_inv
     col = GroupedOperand(col_out, col_scale_inv, groups, padded=True) if columnwise else None
     return row, col
 
@@ -131,18 +145,18 @@ def cast_stack(quantizer, stack: torch.Tensor, rowwise: bool, columnwise: bool):
     by_rows = rowwise and not tensor_scaled
     amaxes = _column_amax(flat, groups, rows=by_rows)
     col_amax, row_amax = amaxes if by_rows else (amaxes, None)
-    scale = quantizer.group_scales(col_amax)  # [E, K]: one per expert, or one per column of each expert
-    row_scale = _row_scales(quantizer, row_amax) if by_rows else None
+    scale, scale_inv = quantizer.group_scales_and_inverses(col_amax)  # [E, K]: one per expert, or one per column of each expert
+    row_scale, row_scale_inv = _row_scales(quantizer, row_amax) if by_rows else (None, None)
     col = torch.empty((experts, k, n), dtype=quantizer.fp8_dtype, device=device) if in_place else None
     codes = _cast(flat, scale, groups, quantizer.fp8_dtype, rowwise or (columnwise and tensor_scaled), col, n, row_scale)
     if tensor_scaled:
-        scale_inv = exact_quotient(1.0, scale[:, :1])
+        scale_inv = scale_inv[:, :1]
         if columnwise and not in_place:
             col = codes.view(experts, n, k).transpose(1, 2).contiguous()
         row = GroupedOperand(codes.view(experts, n, k), scale_inv.expand(experts, n).contiguous()) if rowwise else None
         return row, (GroupedOperand(col, scale_inv.expand(experts, k).contiguous()) if columnwise else None)
-    row = GroupedOperand(codes.view(experts, n, k), exact_quotient(1.0, row_scale).view(experts, n)) if rowwise else None
+    row = GroupedOperand(codes.view(experts, n, k), row_scale_inv.view(experts, n)) if rowwise else None
     if columnwise and not in_place:  # one scale per column of each expert: the rows of its transpose
         storage = quantizer.quantize(stack.transpose(1, 2).reshape(experts * k, n), rowwise=True, columnwise=False).storage_for("rowwise")
         col = storage.data.view(experts, k, n)
-    return row, (GroupedOperand(col, exact_quotient(1.0, scale)) if columnwise else None)
+    return row, (GroupedOperand(col, scale_inv.contiguous()) if columnwise else None)
