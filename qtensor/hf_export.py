@@ -8,6 +8,8 @@ import copy
 import torch
 
 from .core.tensor import QuantizedTensor
+from .layers.experts import stack_orientation
+from .layers.quantized_stack import QuantizedStack
 from .quantize import dequantize_
 
 
@@ -22,15 +24,16 @@ def export(model, directory, dtype: torch.dtype = torch.bfloat16, *, fp8: bool =
       `weight` (E4M3, the bytes the layer's forward GEMM reads) and `weight_scale_inv` (fp32, one
       per `weight_block_size` block), everything else in `dtype`, the linear layers qtensor left
       in high precision (and the experts modules of a mixture of experts whose stacks it left so)
-      named in `modules_to_not_convert`. Quantized expert stacks are refused: transformers' FP8
-      loader reads a fused stack's FP8 bytes without their scales where it dequantizes (on a
-      CPU). Per-tensor and 128x128-block
-      weights are written with 128x128 blocks, row-wise and 1x128 ones with 1x128 blocks, each
-      block's scale the one its values were cast with: the FP8 values are exactly the quantized
-      model's.
+      named in `modules_to_not_convert`. A Float8 expert stack ([experts, out, in]) is written
+      expert by expert under the keys transformers stores its experts under (DeepSeek-V3's
+      `experts.<e>.gate_proj.weight` and `.weight_scale_inv`, ...), which its FP8 loader reads back
+      into the fused stack. Per-tensor and 128x128-block weights are written with 128x128 blocks,
+      row-wise and 1x128 ones with 1x128 blocks, each block's scale the one its values were cast
+      with: the FP8 values are exactly the quantized model's.
     """
     plain = copy.deepcopy(model)
     weights, block = _fine_grained_fp8(plain) if fp8 else ({}, None)
+    expert_scales = _expert_scale_entries(plain, weights) if fp8 else {}
     dequantize_(plain)
     for attribute in ("hf_quantizer", "quantization_method", "qtensor_report"):
         if hasattr(plain, attribute):
@@ -45,14 +48,30 @@ def export(model, directory, dtype: torch.dtype = torch.bfloat16, *, fp8: bool =
         for (name, attribute), (data, scale_inv) in weights.items():
             module = plain.get_submodule(name)
             setattr(module, attribute, torch.nn.Parameter(data, requires_grad=False))
-            setattr(module, f"{attribute}_scale_inv", torch.nn.Parameter(scale_inv, requires_grad=False))
+            if data.dim() == 2:  # a stack's scales go expert by expert (`expert_scales`)
+                setattr(module, f"{attribute}_scale_inv", torch.nn.Parameter(scale_inv, requires_grad=False))
         converted = {name for name, _ in weights}
         kept = [
             name for name, module in plain.named_modules()
             if (isinstance(module, torch.nn.Linear) or name.endswith(".experts")) and name not in converted
         ]
         plain.config.quantization_config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=kept)
+    if expert_scales:  # transformers splits each stack into its experts as it saves; their scales join them
+        save_pretrained_kwargs["state_dict"] = {**plain.state_dict(), **expert_scales}
     plain.save_pretrained(directory, **save_pretrained_kwargs)
+
+
+def _expert_scale_entries(model, weights: dict) -> dict[str, torch.Tensor]:
+    """{stored key: fp32 block scales} of every expert of the stacks in `weights`: each stack's
+    scales [E, ...] split as transformers splits the stack when it saves it (its reverted weight
+    conversion), under the expert's weight key with `_scale_inv` appended to `weight`."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    stacks = {f"{name}.{attribute}": scale_inv for (name, attribute), (data, scale_inv) in weights.items() if data.dim() == 3}
+    if not stacks:
+        return {}
+    split = revert_weight_conversion(model, dict(stacks))
+    return {f"{key}_scale_inv": scales.contiguous() for key, scales in split.items()}
 
 
 def _fine_grained_fp8(model) -> tuple[dict, tuple[int, int]]:
@@ -64,50 +83,75 @@ def _fine_grained_fp8(model) -> tuple[dict, tuple[int, int]]:
         for attribute, (linear, _) in module.__dict__.get("_qtensor_layers", {}).items():
             layer = f"{name}.{attribute}" if name else attribute
             weight = getattr(module, attribute)
-            reason = _module_refusal(module, attribute, weight)
-            storage = None if reason else _forward_storage(weight, linear)
-            reason = reason or _fp8_layout_refusal(storage)
+            reason = _module_refusal(model, module, name, attribute, weight)
+            storages = None if reason else _forward_storages(weight, linear)
+            reason = reason or next(filter(None, map(_fp8_layout_refusal, storages)), None)
             if reason:
                 refused.append(f"{layer} ({reason})")
             else:
-                copies[(name, attribute)] = storage
+                copies[(name, attribute)] = storages
     if refused:
         raise ValueError(
             "qtensor.hf.export(fp8=True) writes Float8 E4M3 weights in transformers' fine-grained FP8 layout; "
             f"these cannot be written exactly: {'; '.join(refused)}. Export with fp8=False (dequantized values), "
             "or quantize those layers with a Float8 recipe."
         )
-    rows = 1 if any(getattr(storage, "block_rows", 128) == 1 for storage in copies.values()) else 128
+    rows = 1 if any(getattr(storage, "block_rows", 128) == 1 for storages in copies.values() for storage in storages) else 128
     block = (rows, 128)
     partial = [
-        f"{name} [{storage.rows}, {storage.cols}]" for (name, _), storage in copies.items()
-        if any(n % b and n > b for n, b in zip((storage.rows, storage.cols), block))
+        f"{name} [{storages[0].rows}, {storages[0].cols}]" for (name, _), storages in copies.items()
+        if any(n % b and n > b for n, b in zip((storages[0].rows, storages[0].cols), block))
     ]
     if partial:
         raise ValueError(
             f"qtensor.hf.export(fp8=True): {partial} are not whole {block[0]}x{block[1]} blocks (or a single partial "
             "one), which transformers' FP8 loader cannot read back exactly. Export with fp8=False."
         )
-    return {key: (storage.data, _block_scales(storage, block)) for key, storage in copies.items()}, block
+    written = {}
+    for key, storages in copies.items():
+        data, scales = [storage.data for storage in storages], [_block_scales(storage, block) for storage in storages]
+        written[key] = (data[0], scales[0]) if len(storages) == 1 and not _is_stack(key, model) else (torch.stack(data), torch.stack(scales))
+    return written, block
 
 
-def _module_refusal(module, attribute: str, weight) -> str | None:
+def _is_stack(key: tuple[str, str], model) -> bool:
+    name, attribute = key
+    return getattr(model.get_submodule(name), attribute).dim() == 3
+
+
+def _module_refusal(model, module, name: str, attribute: str, weight) -> str | None:
     if weight.dim() == 3:
-        return (
-            "an expert stack: transformers' FP8 loader dequantizes (on a CPU) only `weight` / `weight_scale_inv` pairs and "
-            "would read a fused stack's FP8 bytes without their scales; keep the experts in high precision for this "
-            "export (quantize_ with exclude=['*.experts'])"
-        )
+        return _stack_refusal(model, module, name, attribute, weight)
     if not isinstance(module, torch.nn.Linear) or attribute != "weight":
         return f"{type(module).__name__}: transformers' FP8 loader converts nn.Linear layers only"
     return None
 
 
-def _forward_storage(weight, linear):
-    """The rowwise storage the forward GEMM reads (a dynamic weight's cast now by its layer's weight quantizer)."""
+def _stack_refusal(model, module, name: str, attribute: str, weight) -> str | None:
+    """Why a stack cannot be written expert by expert in the layout: stored [experts, in, out], or
+    kept fused by transformers when it saves (its FP8 loader reads experts' `weight` entries)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if stack_orientation(module):
+        return "an expert stack stored [experts, in, out] (gpt-oss's layout), which the layout's [out, in] experts cannot hold"
+    key = f"{name}.{attribute}"
+    split = revert_weight_conversion(model, {key: torch.empty(weight.shape[0], 0, 0)})
+    if key in split or not all(stored.endswith(".weight") for stored in split):
+        return "an expert stack that transformers stores fused, while its FP8 loader reads the experts' own `weight` entries"
+    return None
+
+
+def _forward_storages(weight, linear) -> list:
+    """The rowwise storage the forward GEMM reads (a dynamic weight's cast now by its layer's weight
+    quantizer); of a stack, each expert's."""
+    if weight.dim() == 3:
+        if isinstance(weight, QuantizedStack):
+            return [weight.experts[expert].rowwise for expert in range(weight.shape[0])]
+        values = weight.plain().detach()
+        return [linear.weight.quantize(values[expert], rowwise=True, columnwise=False).rowwise for expert in range(values.shape[0])]
     if isinstance(weight, QuantizedTensor):
-        return weight.rowwise
-    return linear.weight.quantize(weight.plain().detach(), rowwise=True, columnwise=False).rowwise
+        return [weight.rowwise]
+    return [linear.weight.quantize(weight.plain().detach(), rowwise=True, columnwise=False).rowwise]
 
 
 def _fp8_layout_refusal(storage) -> str | None:

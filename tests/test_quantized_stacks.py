@@ -16,6 +16,7 @@ from torch import nn
 
 import qtensor
 import qtensor.hf
+from qtensor.layers.quantized_stack import QuantizedStack
 from qtensor.optim import MasterWeights
 from test_experts import CASES, E, ENDS, K, N, ROWS, Stack, factory_for, tiny_model
 from test_linear import varied
@@ -288,26 +289,79 @@ def test_a_model_whose_only_quantized_layers_are_held_stacks_does_not_load_silen
     assert result.stdout.split("\n")[:3] == ["raised True"] * 3, result.stdout
 
 
-def test_fp8_export_refuses_quantized_stacks_and_writes_experts_kept_in_high_precision(tmp_path):
-    """transformers' FP8 loader dequantizes (on a CPU) only `weight` / `weight_scale_inv` pairs: a fused
-    stack's FP8 bytes would load without their scales, so export(fp8=True) refuses quantized stacks.
-    With the experts kept in high precision, the linear layers are written in FP8 and the experts
-    modules are named in `modules_to_not_convert`: transformers loads their plain values."""
+def _fp8_moe_config(family):
+    """Tiny MoE configs whose experts are whole 128x128 blocks (hidden 256, expert width 128)."""
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe, block", [("float8_current", [128, 128]), ("float8_blockwise", [128, 128]), ("float8_rowwise", [1, 128])])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fp8_export_writes_each_expert_in_the_fine_grained_layout(family, recipe, block, weights, tmp_path):
+    """export(fp8=True) of Float8 expert stacks writes every expert under the keys transformers
+    stores it under (Qwen3-MoE's `experts.<e>.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.<e>.w1.weight`,
+    ...) with its `weight_scale_inv`: the codes times each block's scale are the expert's quantized
+    values, and transformers' own FP8 loader (dequantizing, on a CPU) reads them back into the
+    fused stacks as those values in bf16."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_fp8_moe_config(family))
+    qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights=weights)
+    qtensor.hf.export(model, tmp_path / "fp8", fp8=True)
+    written = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert written["weight_block_size"] == block and not any("experts" in name for name in written["modules_to_not_convert"])
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    moe = model.model.layers[0].mlp
+    names = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}[family]
+    experts = moe.experts
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").model.layers[0].mlp.experts
+    for attribute in ("gate_up_proj", "down_proj"):
+        stack = getattr(experts, attribute)
+        linear = experts._qtensor_layers[attribute][0]
+        for expert in range(stack.shape[0]):
+            if isinstance(stack, QuantizedStack):
+                quantized = stack.experts[expert]
+            else:
+                quantized = linear.weight.quantize(stack.plain()[expert].detach(), rowwise=True, columnwise=False)
+            values = quantized.dequantize(torch.float32)
+            parts = {"gate_up_proj": (names[1], names[2]), "down_proj": (names[3],)}[attribute]
+            for index, part in enumerate(parts):
+                rows = slice(index * values.shape[0] // len(parts), (index + 1) * values.shape[0] // len(parts))
+                key = f"model.layers.0.{names[0]}.experts.{expert}.{part}.weight"
+                data, scale_inv = stored[key], stored[f"{key}_scale_inv"]
+                assert data.dtype == torch.float8_e4m3fn, key
+                per_element = scale_inv.repeat_interleave(block[0], 0)[: data.shape[0]].repeat_interleave(block[1], 1)[:, : data.shape[1]]
+                assert torch.equal(data.float() * per_element, values[rows]), key
+            assert torch.equal(getattr(loaded, attribute)[expert], values.to(torch.bfloat16)), (attribute, expert)
+
+
+def test_fp8_export_refuses_gpt_oss_stacks_and_writes_experts_kept_in_high_precision(tmp_path):
+    """gpt-oss stores its stacks [experts, in, out], which the layout's [out, in] experts cannot
+    hold: export(fp8=True) refuses them, naming the layer. With the experts kept in high precision,
+    the linear layers are written in FP8 and the experts modules named in `modules_to_not_convert`:
+    transformers loads their plain values."""
     import json
 
     import transformers
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = tiny_model("gpt_oss")
     quantized = copy.deepcopy(model)
     qtensor.quantize_(quantized, qtensor.recipes.float8_current(), weights="quantized")
-    with pytest.raises(ValueError, match=r"experts\.gate_up_proj \(an expert stack: transformers' FP8 loader"):
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj \(an expert stack stored \[experts, in, out\]"):
         qtensor.hf.export(quantized, tmp_path / "refused", fp8=True)
     assert not (tmp_path / "refused").exists()
+    config = _fp8_moe_config("qwen3_moe")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     kept = copy.deepcopy(model)
     qtensor.quantize_(kept, qtensor.recipes.float8_current(), exclude=["*.experts"])
     qtensor.hf.export(kept, tmp_path / "fp8", fp8=True)
