@@ -602,8 +602,8 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
     held quantized as whole experts, gathered as their codes and scales (MasterWeights casting each
     expert of a shard on its own). Three steps of each recipe end where one process ends, also with
     3 experts over the 2 ranks (an uneven split: a held stack gathers its experts' bytes packed into
-    FSDP2's padded shard, in a dtype gloo carries, a dynamic one its values); a rank left with no
-    expert of a held stack is refused. The layer resharded under a root, with activation
+    FSDP2's padded shard, in a dtype gloo carries, a dynamic one its values), and with 1 expert
+    over the 2 ranks (a held stack's rank with none sends only padding). The layer resharded under a root, with activation
     checkpointing, and accumulating gradients without resharding after the backward gets the
     gradients of one process. A sharded held stack saves whole (save_model gathers its experts' bytes) into a file
     that loads into one process and into a sharded model; torch.distributed.checkpoint saves either
@@ -618,7 +618,6 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
     workers.launch("experts_fsdp_case.py", out, world=2, timeout=300)
     results = torch.load(out, weights_only=False)
     assert {"float8_delayed", "float8_delayed, 2 micro-batches", "float8_current", "float8_rowwise"} <= set(results)
-    assert "without any of this stack's 1 experts" in results.pop("no expert on a rank")
     # Resharded under a root, with activation checkpointing, and accumulating without resharding
     # after the backward: the gradients of one process, for held and dynamic stacks.
     for scenario, (worst, losses) in results.pop("scenarios").items():
@@ -633,7 +632,7 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
         assert set(result["types"].values()) == {"QuantizedStack" if "quantized" in recipe else "DynamicWeight"}, recipe
         # Gathered as the experts' codes and scales, never their values: a stack held quantized, and a
         # dynamic one whose experts keep no running state and split evenly (each rank casts its own).
-        if "quantized" in recipe or not (recipe.startswith("float8_delayed") or recipe.endswith("3 experts")):
+        if "quantized" in recipe or not (recipe.startswith("float8_delayed") or recipe.endswith(("3 experts", "1 expert"))):
             for kind, dtypes in result["unsharded"].values():
                 assert kind == "QuantizedStack" and any("float8" in d for d in dtypes) and "torch.bfloat16" not in dtypes, (recipe, dtypes)
         else:

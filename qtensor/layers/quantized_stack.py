@@ -69,18 +69,20 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     def experts(self) -> tuple:
         """Each expert's quantized weight, [out, in]: views of its row of every stacked buffer."""
         if self._experts is None:
-            first = [self._first] if "_first" in self.__dict__ else []  # made alone before: kept as expert 0
+            first = [self._first] if "_first" in self.__dict__ and self.shape[0] else []  # made alone before: kept as expert 0
             rest = _expert_views(self.stacked, self.expert_layout, self.linear_quantizers, range(len(first), self.shape[0]))
             self._experts = tuple(first + rest)
         return self._experts
 
     def first_expert(self) -> QuantizedTensor:
         """Expert 0's quantized weight (its storages tell the format's layout), made alone where the
-        others are not made yet."""
-        if self._experts is not None:
+        others are not made yet; of a stack with no expert (FSDP2's shard of a rank that holds none),
+        an expert of zero codes in the stack's layout."""
+        if self._experts:
             return self._experts[0]
         if "_first" not in self.__dict__:
-            self._first = _expert_views(self.stacked, self.expert_layout, self.linear_quantizers, [0])[0]
+            stacked = self.stacked if self.shape[0] else map_stacked(self.stacked, lambda t: t.new_zeros((1, *t.shape[1:])))
+            self._first = _expert_views(stacked, self.expert_layout, self.linear_quantizers, [0])[0]
         return self._first
 
     def __init__(self, *args, **kwargs):
@@ -98,7 +100,11 @@ class QuantizedStack(LayerWeight, torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stack's values as a plain tensor of its shape (each expert's rowwise copy dequantized)."""
-        values = torch.stack([expert.dequantize(dtype or self.dtype) for expert in self.experts])  # [E, out, in]
+        dtype = dtype or self.dtype
+        if not self.shape[0]:  # FSDP2's shard of a rank that holds no expert
+            values = torch.empty((0, *self.expert_layout.shape), dtype=dtype, device=self.device)
+        else:
+            values = torch.stack([expert.dequantize(dtype) for expert in self.experts])  # [E, out, in]
         swapped = self.stride(-1) != 1 and self.stride(-2) == 1  # a transposed view of the stack as kept
         return values.transpose(-2, -1).contiguous() if self.stored_transposed != swapped else values
 
@@ -145,6 +151,8 @@ class QuantizedStack(LayerWeight, torch.Tensor):
     def requantize(self, values: torch.Tensor) -> None:
         """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own: whole on
         this rank even where the stack is a shard of experts (FSDP2), so no amax is reduced over ranks."""
+        if not self.shape[0]:  # FSDP2's shard of a rank that holds no expert: nothing to cast
+            return
         values = values.to(device=self.device, dtype=self.dtype)  # as copy_ casts a quantized weight: from its own dtype
         matrices = values.transpose(-2, -1) if self.stored_transposed else values  # [E, out, in]
         with sharded_cast((), owner="QuantizedStack.requantize"):
@@ -158,6 +166,8 @@ class QuantizedStack(LayerWeight, torch.Tensor):
                 self.stacked[key].copy_(stacked[key])
 
     def __repr__(self, *, tensor_contents=None):
+        if not self.shape[0]:
+            return f"QuantizedStack(no experts, shape={list(self.shape)})"
         return f"QuantizedStack({self.shape[0]} experts of {self.first_expert()!r}, shape={list(self.shape)})"
 
     @classmethod

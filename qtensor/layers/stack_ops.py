@@ -133,9 +133,9 @@ def _slice(func, args, kwargs):
     start, end, step = (list(args[2:5]) + [None] * 3)[:3]
     start, end, _ = slice(start, end).indices(stack.shape[0])
     step = 1 if step is None else step
-    if dim % 3 != 0 or step != 1 or end <= start:
+    if dim % 3 != 0 or step != 1:
         return _refuse_piece(func, args, kwargs)
-    return _experts(stack, start, end)
+    return _experts(stack, start, max(start, end))  # no expert: FSDP2's shard of a rank that gets none
 
 
 def _new_zeros(func, args, kwargs):
@@ -149,14 +149,10 @@ def _new_zeros(func, args, kwargs):
 
 
 def _new_empty(func, args, kwargs):
-    """FSDP2 makes an empty piece for a rank that gets no expert (more ranks than experts): refused."""
-    stack = args[0]
-    if func is aten.new_empty.default and list(args[1])[:1] == [0]:
-        raise NotImplementedError(
-            f"{stack.linear_quantizers.parameter_name}: FSDP2 would leave a rank without any of this stack's "
-            f"{stack.shape[0]} experts, which a stack held quantized does not support yet. Shard it over at most "
-            f"{stack.shape[0]} ranks (fully_shard(..., mesh=...)), or quantize the model with weights='dynamic'."
-        )
+    """The piece FSDP2 makes for a rank that gets no expert (more ranks than experts, `new_empty(0)`):
+    a stack of none, whose gather input is all padding."""
+    if func is aten.new_empty.default and 0 in list(args[1]):
+        return _experts(args[0], 0, 0)
     return _refuse_piece(func, args, kwargs)
 
 
