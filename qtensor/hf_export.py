@@ -33,7 +33,7 @@ def export(model, directory, dtype: torch.dtype = torch.bfloat16, *, fp8: bool =
     """
     plain = copy.deepcopy(model)
     weights, block = _fine_grained_fp8(plain) if fp8 else ({}, None)
-    expert_scales = _expert_scale_entries(plain, weights) if fp8 else {}
+    expert_scales = _expert_scale_entries(plain, weights, block) if fp8 else {}
     dequantize_(plain)
     for attribute in ("hf_quantizer", "quantization_method", "qtensor_report"):
         if hasattr(plain, attribute):
@@ -61,17 +61,35 @@ def export(model, directory, dtype: torch.dtype = torch.bfloat16, *, fp8: bool =
     plain.save_pretrained(directory, **save_pretrained_kwargs)
 
 
-def _expert_scale_entries(model, weights: dict) -> dict[str, torch.Tensor]:
-    """{stored key: fp32 block scales} of every expert of the stacks in `weights`: each stack's
-    scales [E, ...] split as transformers splits the stack when it saves it (its reverted weight
-    conversion), under the expert's weight key with `_scale_inv` appended to `weight`."""
+def _expert_scale_entries(model, weights: dict, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """{stored key: fp32 block scales} of every expert of the stacks in `weights`, under the
+    expert's weight key with `_scale_inv` appended: each stack's scales expanded to its rows, split
+    as transformers splits the stack into the experts' matrices when it saves it (its reverted
+    weight conversion: gate_up into gate and up), then taken back to one row per block of each
+    matrix. ValueError where a matrix's blocks would not each have one scale (a split inside a
+    block of rows) or would be misread (neither whole blocks nor one partial block)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    stacks = {f"{name}.{attribute}": scale_inv for (name, attribute), (data, scale_inv) in weights.items() if data.dim() == 3}
-    if not stacks:
+    rows = {
+        f"{name}.{attribute}": scale_inv.repeat_interleave(block[0], 1)[:, : data.shape[1]]
+        for (name, attribute), (data, scale_inv) in weights.items() if data.dim() == 3
+    }
+    if not rows:
         return {}
-    split = revert_weight_conversion(model, dict(stacks))
-    return {f"{key}_scale_inv": scales.contiguous() for key, scales in split.items()}
+    entries, refused = {}, []
+    for key, per_row in revert_weight_conversion(model, rows).items():
+        count = per_row.shape[0]
+        scales = per_row[:: block[0]]
+        if (count % block[0] and count > block[0]) or not torch.equal(scales.repeat_interleave(block[0], 0)[:count], per_row):
+            refused.append(f"{key} [{count}, ...]")
+        entries[f"{key}_scale_inv"] = scales.contiguous()
+    if refused:
+        raise ValueError(
+            f"qtensor.hf.export(fp8=True): transformers stores these experts' matrices on their own, and their rows do not "
+            f"fall on whole {block[0]}-row blocks of the stack (or a single partial one): {refused}. Their block scales "
+            "cannot be written exactly; export with fp8=False, or use a row-wise Float8 recipe (1x128 blocks)."
+        )
+    return entries
 
 
 def _fine_grained_fp8(model) -> tuple[dict, tuple[int, int]]:
@@ -148,7 +166,8 @@ def _forward_storages(weight, linear) -> list:
         if isinstance(weight, QuantizedStack):
             return [weight.experts[expert].rowwise for expert in range(weight.shape[0])]
         values = weight.plain().detach()
-        return [linear.weight.quantize(values[expert], rowwise=True, columnwise=False).rowwise for expert in range(values.shape[0])]
+        configs = linear.experts or (linear,) * values.shape[0]  # each expert's own quantizer (delayed scaling's state)
+        return [config.weight.quantize(matrix, rowwise=True, columnwise=False).rowwise for config, matrix in zip(configs, values)]
     if isinstance(weight, QuantizedTensor):
         return [weight.rowwise]
     return [linear.weight.quantize(weight.plain().detach(), rowwise=True, columnwise=False).rowwise]

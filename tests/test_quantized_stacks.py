@@ -289,14 +289,14 @@ def test_a_model_whose_only_quantized_layers_are_held_stacks_does_not_load_silen
     assert result.stdout.split("\n")[:3] == ["raised True"] * 3, result.stdout
 
 
-def _fp8_moe_config(family):
-    """Tiny MoE configs whose experts are whole 128x128 blocks (hidden 256, expert width 128)."""
+def _fp8_moe_config(family, width=128):
+    """Tiny MoE configs (hidden 256) whose experts are whole 128x128 blocks at the default width."""
     import transformers
 
     common = dict(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
     if family == "mixtral":
-        return transformers.MixtralConfig(**common, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
-    return transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralConfig(**common, intermediate_size=width, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=width, num_experts=4, num_experts_per_tok=2)
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
@@ -342,6 +342,62 @@ def test_fp8_export_writes_each_expert_in_the_fine_grained_layout(family, recipe
                 per_element = scale_inv.repeat_interleave(block[0], 0)[: data.shape[0]].repeat_interleave(block[1], 1)[:, : data.shape[1]]
                 assert torch.equal(data.float() * per_element, values[rows]), key
             assert torch.equal(getattr(loaded, attribute)[expert], values.to(torch.bfloat16)), (attribute, expert)
+
+
+def test_fp8_export_of_delayed_scaling_stacks_writes_each_experts_own_scale(tmp_path):
+    """A dynamic stack with delayed scaling casts each expert with its own quantizer: after a few
+    steps the experts' histories differ, and each exported expert's scale is the one the oracle's
+    delayed rule gives from that expert's history (as the next forward would cast it)."""
+    import oracle
+    import transformers
+    from safetensors.torch import load_file
+
+    from qtensor.formats.float8 import UNRECORDED
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_fp8_moe_config("qwen3_moe"))
+    qtensor.quantize_(model, qtensor.recipes.float8_delayed())
+    tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(4))
+    for _ in range(3):
+        model(tokens, labels=tokens).loss.backward()
+    qtensor.hf.export(model, tmp_path / "fp8", fp8=True)
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    experts = model.model.layers[0].mlp.experts
+    scales = []
+    for expert in range(4):
+        quantizer = experts._qtensor_layers["down_proj"][0].experts[expert].weight
+        rule = oracle.Float8Delayed(
+            amax_epsilon=quantizer.amax_epsilon, force_pow_2_scales=quantizer.force_pow_2_scales, amax_history_len=quantizer.amax_history_len,
+            amax_compute_algo=quantizer.amax_compute_algo, margin=quantizer.margin,
+        )
+        rule.history = [np.float32(a) for a in quantizer.amax_history.tolist() if a != UNRECORDED]
+        written = stored[f"model.layers.0.mlp.experts.{expert}.down_proj.weight_scale_inv"]
+        assert torch.all(written == torch.tensor(np.float32(1) / rule.next_scale())), expert
+        scales.append(written[0, 0].item())
+    assert len(set(scales)) > 1  # the experts' own scales, not one quantizer's
+
+
+@pytest.mark.parametrize("recipe", ["float8_current", "float8_rowwise"])
+def test_fp8_export_of_narrow_experts(recipe, tmp_path):
+    """Experts 64 wide: gate and up share one 128-row block of the stack, which transformers splits
+    into two matrices of one partial block each, both taking that block's scale (read back exactly).
+    Experts 192 wide are refused, saying why: down_proj's 192 columns are neither whole 128-column
+    blocks nor one partial block, which transformers' loader would misread."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_fp8_moe_config("qwen3_moe", width=64))
+    qtensor.quantize_(model, getattr(qtensor.recipes, recipe)(), weights="quantized")
+    qtensor.hf.export(model, tmp_path / "fp8", fp8=True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").model.layers[0].mlp.experts
+    stack = model.model.layers[0].mlp.experts.gate_up_proj
+    for expert in range(4):
+        assert torch.equal(loaded.gate_up_proj[expert], stack.experts[expert].dequantize(torch.float32).to(torch.bfloat16)), expert
+    wide = transformers.AutoModelForCausalLM.from_config(_fp8_moe_config("qwen3_moe", width=192))
+    qtensor.quantize_(wide, getattr(qtensor.recipes, recipe)(), weights="quantized")
+    with pytest.raises(ValueError, match=r"mlp\.experts \[256, 192\]'\] are not whole 1?[0-9x]+ blocks"):  # down_proj's 192 columns
+        qtensor.hf.export(wide, tmp_path / "wide", fp8=True)
+    assert not (tmp_path / "wide").exists()
 
 
 def test_fp8_export_refuses_gpt_oss_stacks_and_writes_experts_kept_in_high_precision(tmp_path):

@@ -151,7 +151,8 @@ def _new_zeros(func, args, kwargs):
 def _new_empty(func, args, kwargs):
     """The piece FSDP2 makes for a rank that gets no expert (more ranks than experts, `new_empty(0)`):
     a stack of none, whose gather input is all padding."""
-    if func is aten.new_empty.default and 0 in list(args[1]):
+    size = list(args[1])
+    if func is aten.new_empty.default and (size == [0] or size == [0, *args[0].shape[1:]]):
         return _experts(args[0], 0, 0)
     return _refuse_piece(func, args, kwargs)
 
