@@ -124,7 +124,7 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         experts, rows = data.shape[0], data.shape[1]
         # A tensor scale per expert (stacked [E, 4]: see `_stacked`) or one per row of each ([E, rows, 1]),
         # as one factor per row.
-        per_expert = scale_inv.reshape(experts, -1)
+        per_expert = scale_inv.flatten(1)  # (a shard of no experts too)
         per_expert = per_expert[:, :1] if getattr(self.first_expert(), direction).buffers["scale_inv"].dim() == 0 else per_expert
         return GroupedOperand(data, per_expert.expand(experts, rows).contiguous())
 
