@@ -130,7 +130,7 @@ def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, numel, fp8_max, epsilon, PO
 
 
 def scales(amax: torch.Tensor, fp8_max: float, amax_epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, 1/scale) of each fp32 amax (any shape), as CastsGroups.group_scales and exact_quotient."""
+    """(scale, 1/scale) of each fp32 amax (any shape), as numerics.current_scale and exact_quotient."""
     amax = amax.contiguous()
     scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
     if amax.numel():

@@ -812,7 +812,7 @@ def test_grouped_float8_cast_kernels_are_bitwise_the_reference(name, dtype):
 def test_grouped_float8_scales_kernel_is_bitwise_the_reference(name):
     """The scales of amaxes at every edge (0, subnormal, around amax_epsilon, normal, at and near
     FLT_MAX, where fp8_max / amax overflows or underflows) and their inverses, bit for bit as
-    `group_scales` and `exact_quotient(1.0, ·)` compute them, per group and per column."""
+    `numerics.current_scale` and `exact_quotient(1.0, ·)` compute them, per group and per column."""
     quantizer = GROUPED_QUANTIZERS[name]()
     edges = torch.tensor([0.0, 1e-45, 1e-39, 1e-30, 1e-3, 0.99e-3, 1.5, 448.0, 3.0e4, 1e38, 3.4028234663852886e38, 2.0**-126])
     amax = torch.cat([edges, torch.rand(84) * torch.exp2(torch.randint(-100, 100, (84,)).float())]).reshape(8, 12).cuda()

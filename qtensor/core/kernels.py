@@ -56,7 +56,7 @@ REFERENCES: dict[str, str] = {
     "float8_block.cast": "formats.float8_block.quantize_blocks of both copies, from one read",
     "float8_groups.column_amax": "formats.float8_groups._column_amax: each group's column amaxes",
     "float8_groups.cast": "formats.float8_groups._cast: each group's codes at its column scales, rowwise and padded columnwise",
-    "float8_groups.scales": "CastsGroups.group_scales of the amaxes, and exact_quotient(1.0, ·) of them",
+    "float8_groups.scales": "core.numerics.current_scale of the amaxes, and exact_quotient(1.0, ·) of them",
     "gemm.scale_output": "gemm.backends._scale_and_finish",
     "grouped_mm.float8_rows": "torch._scaled_grouped_mm of FP8 rows and a stack, split accumulator (fprop, dgrad)",
     "grouped_mm.float8_columns": "torch._scaled_grouped_mm of two columnwise copies, split accumulator (wgrad)",

@@ -196,6 +196,13 @@ def scale_from_amax(amax: torch.Tensor, max_value: float, margin: int = 0) -> to
     return torch.where(amax == 0, 1.0, scale)
 
 
+def current_scale(amax: torch.Tensor, max_value: float, amax_epsilon: float, pow2: bool) -> torch.Tensor:
+    """Float8's current scaling: `max_value / max(amax, amax_epsilon)` (scale_from_amax's edges),
+    rounded down to a power of two with `pow2`."""
+    scale = scale_from_amax(torch.clamp_min(amax, amax_epsilon), max_value)
+    return round_down_pow2(scale) if pow2 else scale
+
+
 def pad_to_multiple(x: torch.Tensor, block: int, dim: int) -> torch.Tensor:
     """Zero-pad `dim` of a 2-D tensor up to a multiple of `block` (docs/numerics.md: partial blocks behave as zero-padded)."""
     remainder = x.shape[dim] % block

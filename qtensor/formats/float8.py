@@ -15,6 +15,7 @@ from ..core.numerics import (
     tensor_amax,
     fp8_max,
     round_down_pow2,
+    current_scale,
     scale_from_amax,
 )
 from ..core import running_state
@@ -162,17 +163,13 @@ class Float8Quantizer(CastsGroups, Quantizer):
     def grouped_scaling(self) -> str | None:
         return "tensor" if self.scaling == "current" else None  # delayed: one history per expert, cast one by one
 
-    def group_scales(self, amax: torch.Tensor) -> torch.Tensor:
-        """[G, K] scales from each group's column amaxes [G, K]: one current scale per group."""
-        return self._current_scale(amax.amax(dim=1))[:, None].expand(amax.shape)
-
     def group_scale_rule(self, amax: torch.Tensor):
         # One scale per group: from the amax of each group's columns.
         return amax.amax(dim=1, keepdim=True), self.amax_epsilon, self.force_pow_2_scales
 
     def _current_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """Current scaling's scale (of each element of `amax`, a tensor's amax)."""
-        return self._finish(scale_from_amax(torch.clamp_min(amax, self.amax_epsilon), fp8_max(self.fp8_dtype)))
+        return current_scale(amax, fp8_max(self.fp8_dtype), self.amax_epsilon, self.force_pow_2_scales)
 
     def _finish(self, scale: torch.Tensor) -> torch.Tensor:
         return round_down_pow2(scale) if self.force_pow_2_scales else scale

@@ -14,13 +14,12 @@ from ..core.numerics import (
     FP8_DTYPES,
     ceil_div,
     check_fp8_dtype,
+    current_scale,
     exact_quotient,
     fp32,
     fp8_max,
     quantize_per_tensor,
     reduce_amax,
-    round_down_pow2,
-    scale_from_amax,
     sharded_quantization,
 )
 from ..core.kernels import lookup
@@ -53,13 +52,6 @@ def block_amax(y: torch.Tensor, block_rows: int, block_cols: int | None) -> torc
     return blocks.amax(dim=(1, 3)) if blocks.numel() else blocks.new_zeros(blocks.shape[0], blocks.shape[2])
 
 
-def block_scales(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2_scales: bool, amax_epsilon: float) -> torch.Tensor:
-    """Each block's fp32 scale, by Float8's current-scaling rule: fp8_max / max(amax, amax_epsilon),
-    1 for a zero amax, FLT_MAX on overflow, rounded down to a power of two with `pow2_scales`."""
-    scale = scale_from_amax(torch.clamp_min(amax, amax_epsilon), fp8_max(fp8_dtype))
-    return round_down_pow2(scale) if pow2_scales else scale
-
-
 def times_blocks(y: torch.Tensor, per_block: torch.Tensor, block_rows: int, block_cols: int | None) -> torch.Tensor:
     """fp32 `y` [R, C] times its block's factor, as a product over a block view (never an
     element-wise expansion of the factors), cut back to [R, C]."""
@@ -73,7 +65,7 @@ def quantize_blocks(y: torch.Tensor, fp8_dtype, block_rows, block_cols, pow2_sca
     where they were computed (or reduced over ranks) before."""
     if amax is None:
         amax = block_amax(y, block_rows, block_cols)
-    scale = block_scales(amax, fp8_dtype, pow2_scales, amax_epsilon)
+    scale = current_scale(amax, fp8_max(fp8_dtype), amax_epsilon, pow2_scales)
     codes = quantize_per_tensor(times_blocks(y, scale, block_rows, block_cols), fp32(1.0, y.device), fp8_dtype)
     return codes.contiguous(), exact_quotient(1.0, scale)
 
@@ -173,11 +165,8 @@ class Float8BlockQuantizer(CastsGroups, Quantizer):
     def grouped_scaling(self) -> str | None:
         return "row" if self.block_cols is None else None
 
-    def group_scales(self, amax: torch.Tensor) -> torch.Tensor:
-        """[G, K] scales from each group's column amaxes [G, K]: a columnwise copy's row scales."""
-        return block_scales(amax, self.fp8_dtype, self.pow2_scales, self.amax_epsilon)
-
     def group_scale_rule(self, amax: torch.Tensor):
+        # A scale per column of each group: a columnwise copy's row scales.
         return amax, self.amax_epsilon, self.pow2_scales
 
     def _copy(self, direction: str, x: torch.Tensor) -> Float8BlockStorage:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..core.kernels import lookup
-from ..core.numerics import exact_quotient, fp8_max, quantize_per_tensor
+from ..core.numerics import current_scale, exact_quotient, fp8_max, quantize_per_tensor
 from ..core.quantizer import GroupedOperand, RowGroups
 
 ALIGN = 16  # rows per group of a columnwise copy: a multiple of this
@@ -38,11 +38,10 @@ ALIGN = 16  # rows per group of a columnwise copy: a multiple of this
 
 class CastsGroups:
     """The grouped casts of a Float8 quantizer (mixed into `Float8Quantizer` and
-    `Float8BlockQuantizer`), which supplies `grouped_scaling()`, `fp8_dtype`,
-    `group_scales(amax)`: [G, K] fp32 scales from each group's column amaxes [G, K], and
-    `group_scale_rule(amax)`: the same scales as (the amaxes they come from, one per group [G, 1]
-    or per column [G, K]; amax_epsilon; whether they round down to powers of two), each scale
-    fp8_max / max(amax, amax_epsilon) by Float8's current-scaling rule."""
+    `Float8BlockQuantizer`), which supplies `grouped_scaling()`, `fp8_dtype` and
+    `group_scale_rule(amax)`: from each group's column amaxes [G, K], the amaxes its scales come
+    from (one per group [G, 1], or per column [G, K]), amax_epsilon, and whether the scales round
+    down to powers of two (Float8's current scaling, numerics.current_scale)."""
 
     def quantize_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
         return cast_rows(self, x, groups, rowwise, columnwise)
@@ -51,14 +50,16 @@ class CastsGroups:
         return cast_stack(self, stack, rowwise, columnwise)
 
     def group_scales_and_inverses(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`group_scales(amax)`, its correctly rounded fp32 inverses), [G, K] (a per-group scale
-        broadcast along K): on a GPU from one kernel, instead of a dozen small launches per cast."""
+        """[G, K] fp32 scales from each group's column amaxes [G, K] (a per-group scale broadcast
+        along K) and their correctly rounded inverses: on a GPU from one kernel, instead of a dozen
+        small launches per cast."""
+        amaxes, epsilon, pow2 = self.group_scale_rule(amax)
         kernel = lookup("float8_groups.scales", amax)
         if kernel is None:
-            scale = self.group_scales(amax)
-            return scale, exact_quotient(1.0, scale)
-        amaxes, epsilon, pow2 = self.group_scale_rule(amax)
-        scale, scale_inv = kernel(amaxes, fp8_max(self.fp8_dtype), epsilon, pow2)
+            scale = current_scale(amaxes, fp8_max(self.fp8_dtype), epsilon, pow2)
+            scale_inv = exact_quotient(1.0, scale)
+        else:
+            scale, scale_inv = kernel(amaxes, fp8_max(self.fp8_dtype), epsilon, pow2)
         return scale.expand(amax.shape), scale_inv.expand(amax.shape)
 
 
