@@ -8,6 +8,7 @@ import copy
 import torch
 
 from .core.tensor import QuantizedTensor
+from .hf_files import stack_placeholder
 from .layers.experts import stack_orientation
 from .layers.quantized_stack import QuantizedStack
 from .quantize import dequantize_
@@ -126,15 +127,11 @@ def _fine_grained_fp8(model) -> tuple[dict, tuple[int, int]]:
             "one), which transformers' FP8 loader cannot read back exactly. Export with fp8=False."
         )
     written = {}
-    for key, storages in copies.items():
+    for (name, attribute), storages in copies.items():
         data, scales = [storage.data for storage in storages], [_block_scales(storage, block) for storage in storages]
-        written[key] = (data[0], scales[0]) if len(storages) == 1 and not _is_stack(key, model) else (torch.stack(data), torch.stack(scales))
+        stack = getattr(model.get_submodule(name), attribute).dim() == 3  # [experts, ...]: each expert's stacked
+        written[(name, attribute)] = (torch.stack(data), torch.stack(scales)) if stack else (data[0], scales[0])
     return written, block
-
-
-def _is_stack(key: tuple[str, str], model) -> bool:
-    name, attribute = key
-    return getattr(model.get_submodule(name), attribute).dim() == 3
 
 
 def _module_refusal(model, module, name: str, attribute: str, weight) -> str | None:
@@ -153,7 +150,7 @@ def _stack_refusal(model, module, name: str, attribute: str, weight) -> str | No
     if stack_orientation(module):
         return "an expert stack stored [experts, in, out] (gpt-oss's layout), which the layout's [out, in] experts cannot hold"
     key = f"{name}.{attribute}"
-    split = revert_weight_conversion(model, {key: torch.empty(weight.shape[0], 0, 0)})
+    split = revert_weight_conversion(model, {key: stack_placeholder(weight)})
     if key in split or not all(stored.endswith(".weight") for stored in split):
         return "an expert stack that transformers stores fused, while its FP8 loader reads the experts' own `weight` entries"
     return None

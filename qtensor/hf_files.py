@@ -24,8 +24,8 @@ def with_placeholders(model, stored: dict, metadata: dict[str, str]) -> tuple[di
     description = json.loads(metadata[checkpoint.METADATA_KEY])
     parameters = dict(model.named_parameters())
     placeholders = {name: torch.zeros(0, dtype=torch.uint8) for name in description["tensors"] if name in parameters and name not in stored}
-    # A stack held quantized is stored as its experts' entries: its placeholder is `_stack_placeholder`.
-    placeholders.update({name: _stack_placeholder(p) for name, p in parameters.items() if is_stack(p) and name not in stored})
+    # A stack held quantized is stored as its experts' entries: its placeholder is `stack_placeholder`.
+    placeholders.update({name: stack_placeholder(p) for name, p in parameters.items() if is_stack(p) and name not in stored})
     if not placeholders:
         return stored, metadata
     description["placeholders"] = sorted(placeholders)
@@ -33,7 +33,7 @@ def with_placeholders(model, stored: dict, metadata: dict[str, str]) -> tuple[di
     return stored, {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
 
 
-def _stack_placeholder(stack) -> torch.Tensor:
+def stack_placeholder(stack) -> torch.Tensor:
     """A held stack's placeholder: a stack of empty matrices, which transformers' conversions split
     into (and merge back from) empty per-expert matrices as they would the stack's own values."""
     return torch.zeros((stack.shape[0], 0, 0), dtype=torch.uint8)
@@ -50,7 +50,7 @@ def described_as_stored(model, metadata: dict[str, str]) -> dict[str, str]:
     parameters = dict(model.named_parameters())
     stacks = [name for name in description.get("placeholders", []) if is_stack(parameters.get(name))]
     if stacks:  # a held stack's placeholder, under the names its empty matrices are stored under
-        split = revert_weight_conversion(model, {name: _stack_placeholder(parameters[name]) for name in stacks})
+        split = revert_weight_conversion(model, {name: stack_placeholder(parameters[name]) for name in stacks})
         description["placeholders"] = sorted((set(description["placeholders"]) - set(stacks)) | set(split))
         metadata = {**metadata, checkpoint.METADATA_KEY: json.dumps(description, sort_keys=True)}
     keys = sorted(qtensor_entries(model) | set(description["tensors"]))
