@@ -76,7 +76,9 @@ def routed_rows(rows: int, experts: int, hidden: int):
     return x, offs, torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
 
 
-def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
+def layer_step(system: str, shape: str):
+    """One experts layer of `system` at `shape` and its routed rows: a function that runs one
+    forward and backward step on them."""
     rows, experts, hidden, width = SHAPES[shape]
     torch.manual_seed(0)
     model = Experts(experts, hidden, width).cuda()
@@ -95,6 +97,12 @@ def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
         for p in model.parameters():
             p.grad = None
 
+    return step
+
+
+def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
+    rows = SHAPES[shape][0]
+    step = layer_step(system, shape)
     seconds, peak = median_step_s(step, steps)
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -5,19 +5,11 @@
 # removed, by default the grouped GEMMs: torch's split-accumulator grouped GEMMs run instead),
 # alternating, torchao from the carried wheel in .whl/ when it is there.
 #   benchmarks/grouped_mm_device.sh [bench_moe.py arguments]      logs go to $OUT
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/qtensor-device}
-mkdir -p "$OUT"
-if ls .whl/torchao-*.whl >/dev/null 2>&1; then
-    pip install -q --no-deps --target /tmp/tao .whl/torchao-*.whl >/dev/null 2>&1 && export PYTHONPATH=$PWD:/tmp/tao
-fi
-nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+source "$(dirname "$0")/device_env.sh"
+carried torchao
 WITHOUT=${WITHOUT:-grouped_mm.float8_rows,grouped_mm.float8_columns}
-timeout 240 python3 -m pytest -q -s -m cuda -p no:cacheprovider tests/test_cuda_grouped_mm.py tests/test_experts.py tests/test_cuda_kernels.py -k "grouped or experts or every_kernel" >"$OUT/grouped_cuda.log" 2>&1
-echo "cuda tests rc=$?: $(tail -1 "$OUT/grouped_cuda.log")"
-grep -E "^(FAILED|ERROR)|Error" "$OUT/grouped_cuda.log" | head -20
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+RUN_TIMEOUT=240 run grouped_cuda python3 -m pytest -q -s -m cuda -p no:cacheprovider tests/test_cuda_grouped_mm.py tests/test_experts.py tests/test_cuda_kernels.py -k "grouped or experts or every_kernel"
 echo "largest error / bound of the kernel tests: $(grep -o 'max error / bound: [0-9.e+-]*' "$OUT/grouped_cuda.log" | awk '{print $NF}' | sort -g | tail -1)"
 [ "${GEMMS:-1}" = 0 ] || timeout 200 python3 benchmarks/bench_grouped_mm.py ${SWEEP:+--sweep} 2>&1 | tee "$OUT/bench_grouped_mm.log"
 cat >"$OUT/without_kernels.py" <<'PY'

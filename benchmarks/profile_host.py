@@ -6,15 +6,13 @@ Prints the step's wall time against the GPU's busy time, then the top Python fun
 """
 
 import argparse
-import cProfile
-import pstats
 import time
 
 import torch
 from torch import nn
 
 import qtensor
-from timing import varied
+from timing import print_host_profile, varied
 
 
 def main():
@@ -56,13 +54,7 @@ def main():
     gpu_ms = sum(e.device_time_total for e in profile.key_averages()) / 10 / 1e3
     print(f"{args.recipe} {m}x{k}x{n}: host {host_ms:.3f} ms/step, wall {wall_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms/step")
     print(profile.key_averages().table(sort_by="device_time_total", row_limit=args.kernels))
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+    print_host_profile(step, steps, args.top)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,14 @@ such as `tolist`).
 """
 
 import argparse
-import cProfile
 import os
-import pstats
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe  # noqa: E402
-from timing import median_step_s  # noqa: E402
+from timing import median_step_s, print_host_profile  # noqa: E402
 
 
 def main():
@@ -25,21 +23,7 @@ def main():
     parser.add_argument("--shape", default="qwen3")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    rows, experts, hidden, width = bench_moe.SHAPES[args.shape]
-    torch.manual_seed(0)
-    model = bench_moe.Experts(experts, hidden, width).cuda()
-    if args.system != "bf16":
-        bench_moe.quantize_as(model, args.system)
-    x, offs, grad = bench_moe.routed_rows(rows, experts, hidden)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = model(x, offs)
-        y.backward(grad)
-        x.grad = None
-        for p in model.parameters():
-            p.grad = None
-
+    step = bench_moe.layer_step(args.system, args.shape)
     seconds, _ = median_step_s(step, 10)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
@@ -47,13 +31,7 @@ def main():
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 1e3
     print(f"{args.system} at {args.shape}: step {seconds * 1e3:.2f} ms, GPU busy {busy:.2f} ms, {len(kernels)} kernels a step")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+    print_host_profile(step, 5, args.top)
 
 
 if __name__ == "__main__":

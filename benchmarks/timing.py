@@ -1,5 +1,7 @@
 """Timing helpers shared by the GPU benchmarks (run as `python benchmarks/<script>.py`)."""
 
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -64,3 +66,15 @@ def copy_bandwidth(x) -> tuple[float, float]:
 def varied(rows, cols):
     scale = torch.exp2(torch.randint(-6, 6, (rows, cols // 32), device="cuda").float()).repeat_interleave(32, 1)
     return (torch.randn(rows, cols, device="cuda") * scale).to(torch.bfloat16)
+
+
+def print_host_profile(step, steps: int, top: int) -> None:
+    """The Python functions of `steps` calls of `step` by their own host time, the `top` of them (a
+    wait for the GPU shows as own time of the call that synchronises)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
