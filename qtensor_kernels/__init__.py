@@ -29,7 +29,7 @@ def register() -> None:
     from qtensor.core import kernels as table
 
     try:
-        from . import compiled, float8, float8_block, float8_groups, gemm, grouped_mm, hybrid, mxfp8, nvfp4
+        from . import compiled, float8, float8_block, float8_groups, gemm, grouped_mm, hybrid, mxfp8, nvfp4, nvfp4_groups
     except ImportError as error:
         raise KernelImportError(
             f"qtensor_kernels: a kernel module failed to import ({type(error).__name__}: {error}). Triton is "
@@ -37,7 +37,7 @@ def register() -> None:
             "CUDA cast would run the slow reference. Fix the import, or set QTENSOR_KERNELS=reference to run "
             "the references on purpose."
         ) from error
-    for module in (float8, float8_block, float8_groups, gemm, grouped_mm, hybrid, mxfp8, nvfp4):
+    for module in (float8, float8_block, float8_groups, gemm, grouped_mm, hybrid, mxfp8, nvfp4, nvfp4_groups):
         for name, kernel in module.KERNELS.items():
             table.register(name, kernel)
     for name, wrapper in compiled.WRAPPERS.items():

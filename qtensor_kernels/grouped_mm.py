@@ -13,6 +13,9 @@ grouped GEMM, these at 0.89-1.24x (benchmarks/bench_grouped_mm.py, docs/experts.
 - `float8_columns(a, a_scale, b, b_scale, ends, ...)`: C_e = A[:, run e] · B[:, run e]ᵀ (wgrad),
   A [N, R] and B [K, R] columnwise copies, each group's run of columns whole 16s (the casts'
   padding, zero codes after a group's rows); a group with an empty run gets zeros.
+- `bf16_rows`, `bf16_columns`: the same two products of bf16 values (the exact q·s values of NVFP4
+  copies) with one fp32 factor per group in the epilogue (each group's tensor scales), which
+  torch's bf16 grouped GEMM, writing only bf16, cannot apply before its rounding.
 """
 
 import torch
@@ -23,9 +26,21 @@ from .launch import launch
 
 
 @triton.jit
-def _float8_rows_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K, stride_am, stride_om,
+def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group, GROUP_FACTOR: tl.constexpr):
+    """The fp32 product times the rows' factors of A and of B, in that order; with GROUP_FACTOR
+    times the group's one factor at a_scale_ptr[group] (b_scale_ptr unused)."""
+    if GROUP_FACTOR:
+        return acc * tl.load(a_scale_ptr + group)
+    a_scale = tl.load(a_scale_ptr + a_index, mask=a_ok, other=0.0)
+    b_scale = tl.load(b_scale_ptr + b_index, mask=b_ok, other=0.0)
+    return acc * a_scale[:, None] * b_scale[None, :]
+
+
+@triton.jit
+def _rows_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K, stride_am, stride_be, stride_bn, stride_om,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
+    GROUP_FACTOR: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, column_tile = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
@@ -43,23 +58,21 @@ def _float8_rows_kernel(
     offs_m = tl.sum(tl.where(this, starts, 0), 0) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < row_end, offs_n < N
-    b_rows = b_ptr + group.to(tl.int64) * N * K + offs_n[:, None] * K
+    b_rows = b_ptr + group.to(tl.int64) * stride_be + offs_n[:, None].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
-    a_scale = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
-    b_scale = tl.load(b_scale_ptr + group.to(tl.int64) * N + offs_n, mask=n_ok, other=0.0)
-    out = acc * a_scale[:, None] * b_scale[None, :]
+    out = _epilogue(acc, a_scale_ptr, offs_m, m_ok, b_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, group, GROUP_FACTOR)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _float8_columns_kernel(
+def _columns_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K, R,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr, GROUP_FACTOR: tl.constexpr,
 ):
     tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     per_group = tiles_n * tiles_k
@@ -82,49 +95,78 @@ def _float8_columns_kernel(
         a = tl.load(a_rows + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         b = tl.load(b_rows + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
-    a_scale = tl.load(a_scale_ptr + group.to(tl.int64) * N + offs_n, mask=n_ok, other=0.0)
-    b_scale = tl.load(b_scale_ptr + group.to(tl.int64) * K + offs_k, mask=k_ok, other=0.0)
-    out = acc * a_scale[:, None] * b_scale[None, :]
+    out = _epilogue(acc, a_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, b_scale_ptr, group.to(tl.int64) * K + offs_k, k_ok, group, GROUP_FACTOR)
     tl.store(out_ptr + group.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :], out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-# (BLOCK_M or BLOCK_N, BLOCK_N or BLOCK_K, BLOCK_K or BLOCK_R, warps, stages) by fast accumulation,
-# the fastest of benchmarks/bench_grouped_mm.py --sweep on an H100 at the Qwen3-like shapes.
-TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3)}
+# (BLOCK_M or BLOCK_N, BLOCK_N or BLOCK_K, BLOCK_K or BLOCK_R, warps, stages): FP8 by fast
+# accumulation, the fastest of benchmarks/bench_grouped_mm.py --sweep on an H100 at the Qwen3-like
+# shapes; bf16 (its tiles of K half as long, for the same bytes in shared memory).
+TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16": (128, 128, 64, 8, 4)}
+
+
+def _rows(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_factor, tile):
+    """C [M, N] = rows of group e of A [M, K] times B_eᵀ, B [E, N, K] with K contiguous (any strides
+    along E and N), then the epilogue's factors."""
+    (m, k), (experts, n, _) = a.shape, b.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    block_m, block_n, block_k, warps, stages = tile
+    if m and n:
+        grid = ((triton.cdiv(m, block_m) + experts) * triton.cdiv(n, block_n),)
+        launch(
+            _rows_kernel, grid, a, a_scale, b, b_scale, out, ends, experts, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+            E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            IMPRECISE=imprecise, GROUP_FACTOR=group_factor, num_warps=warps, num_stages=stages,
+        )
+    return out
+
+
+def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_factor, tile):
+    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for row-major A [N, R] and B [K, R], then the
+    epilogue's factors; a group with an empty run gets zeros."""
+    (n, r), k, experts = a.shape, b.shape[0], ends.shape[0]
+    out = torch.empty((experts, n, k), dtype=out_dtype, device=a.device)
+    block_n, block_k, block_r, warps, stages = tile
+    if experts and n and k:
+        grid = (experts * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
+        launch(
+            _columns_kernel, grid, a, a_scale, b, b_scale, out, ends, n, k, r,
+            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=imprecise, GROUP_FACTOR=group_factor,
+            num_warps=warps, num_stages=stages,
+        )
+    return out
 
 
 def float8_rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None):
     """C [M, N]: rows of group e of A [M, K] (FP8 codes, a factor per row) times B_eᵀ (B [E, N, K],
     factors [E, N]), summed on the FP8 tensor cores (promoted to fp32 after each BLOCK_K of the
     reduction unless `fast_accumulation`), times both rows' factors, rounded once to `out_dtype`."""
-    (m, k), (experts, n, _) = a_data.shape, b_data.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=a_data.device)
-    block_m, block_n, block_k, warps, stages = tile or TILES[fast_accumulation]
-    if m and n:
-        grid = ((triton.cdiv(m, block_m) + experts) * triton.cdiv(n, block_n),)
-        launch(
-            _float8_rows_kernel, grid, a_data, a_scale, b_data, b_scale, out, ends, experts, n, k, a_data.stride(0), out.stride(0),
-            E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            IMPRECISE=None if fast_accumulation else block_k, num_warps=warps, num_stages=stages,
-        )
-    return out
+    tile = tile or TILES[fast_accumulation]
+    return _rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], False, tile)
 
 
 def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for A [N, R] and B [K, R] (FP8 codes; factors
     per group and row, [E, N] and [E, K]); a group with an empty run gets zeros."""
-    (n, r), k, experts = a_data.shape, b_data.shape[0], ends.shape[0]
-    out = torch.empty((experts, n, k), dtype=out_dtype, device=a_data.device)
-    block_n, block_k, block_r, warps, stages = tile or TILES[fast_accumulation]
-    if experts and n and k:
-        grid = (experts * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
-        launch(
-            _float8_columns_kernel, grid, a_data, a_scale, b_data, b_scale, out, ends, n, k, r,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=None if fast_accumulation else block_r,
-            num_warps=warps, num_stages=stages,
-        )
-    return out
+    tile = tile or TILES[fast_accumulation]
+    return _columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], False, tile)
+
+
+def bf16_rows(a, b, factor, ends, out_dtype, tile=None):
+    """C [M, N]: rows of group e of A [M, K] times B_eᵀ (B [E, N, K], K contiguous), bf16 values
+    summed in fp32 on the bf16 tensor cores, times group e's fp32 factor (`factor` [E]), rounded
+    once to `out_dtype`: the epilogue of a tensor scale per group (NVFP4's)."""
+    return _rows(a, factor, b, factor, ends, out_dtype, None, True, tile or TILES["bf16"])
+
+
+def bf16_columns(a, b, factor, ends, out_dtype, tile=None):
+    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ of bf16 values (A [N, R], B [K, R], runs of
+    whole 16s), summed in fp32, times group e's factor, rounded once; an empty run gives zeros."""
+    return _columns(a, factor, b, factor, ends, out_dtype, None, True, tile or TILES["bf16"])
 
 
 # Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
-KERNELS = {"grouped_mm.float8_rows": float8_rows, "grouped_mm.float8_columns": float8_columns}
+KERNELS = {
+    "grouped_mm.float8_rows": float8_rows, "grouped_mm.float8_columns": float8_columns,
+    "grouped_mm.bf16_rows": bf16_rows, "grouped_mm.bf16_columns": bf16_columns,
+}

@@ -177,10 +177,10 @@ def _load_tile(x_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(codes, scale_code, rows, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, INT32: tl.constexpr):
-    """The rowwise codes [16, BLOCK_N] of a tile into data [M, ceil(N/2)] (as int32 [M, N/8] with
-    INT32), its scale codes [16, BLOCK_N/16] into scale [M, ceil(N/16)]."""
-    inside = rows[:, None] < M
+def _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, N, BLOCK_N: tl.constexpr, INT32: tl.constexpr):
+    """The rowwise codes [16, BLOCK_N] of a tile into rows `rows` (those where `row_ok`) of data
+    [M, ceil(N/2)] (as int32 [M, N/8] with INT32), its scale codes [16, BLOCK_N/16] into scale [M, ceil(N/16)]."""
+    inside = row_ok[:, None]
     if INT32:  # 8 codes (one thread's) per word, element 8w + i in nibble i
         words = tl.sum(tl.reshape(codes, (16, BLOCK_N // 8, 8)) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
         word_cols = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
@@ -214,30 +214,31 @@ def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, N, length, BLOC
 
 
 @triton.jit
-def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, M, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
+def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, draw_rows, rows, row_ok, data_ptr, scale_ptr, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
     """The rowwise copy of the tile x [16, BLOCK_N], blocks of 16 along each row with amaxes
-    `amax` [16, BLOCK_N/16] (see _store_rows)."""
+    `amax` [16, BLOCK_N/16] (see _store_rows); the rows draw as rows `draw_rows` of the cast."""
     scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
     scaled = tl.reshape(x, (16, BLOCK_N // 16, 16)) * encode[:, :, None]
     draws = scaled  # unused without STOCHASTIC
     if STOCHASTIC:  # pairs of neighbouring columns
         pair_cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        first, second = _pair_draws(keys_ptr, rows[:, None], pair_cols[None, :], (N + 1) // 2, WIDE)
+        first, second = _pair_draws(keys_ptr, draw_rows[:, None], pair_cols[None, :], (N + 1) // 2, WIDE)
         draws = tl.reshape(tl.join(first, second), (16, BLOCK_N))
     codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), draws, STOCHASTIC)
     codes = tl.reshape(tl.where((scale_code == _E4M3_NAN)[:, :, None], 0, tl.reshape(codes, (16, BLOCK_N // 16, 16))), (16, BLOCK_N))
-    _store_rows(codes, scale_code, rows, data_ptr, scale_ptr, M, N, BLOCK_N, INT32)
+    _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, N, BLOCK_N, INT32)
 
 
 @triton.jit
-def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
+def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N], one block down each column with amax
-    `amax` [BLOCK_N] (see _store_columns)."""
+    `amax` [BLOCK_N] (see _store_columns); its pairs of rows draw as pairs pair_base.. of rows of
+    `pairs_per_row` pairs."""
     scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
     draws = x  # unused without STOCHASTIC
     if STOCHASTIC:  # pairs of neighbouring rows, in one thread
-        pair_rows = tl.program_id(0) * 8 + tl.arange(0, 8)
-        first, second = _pair_draws(keys_ptr, cols[None, :], pair_rows[:, None], (length + 1) // 2, WIDE)
+        pair_rows = pair_base + tl.arange(0, 8)
+        first, second = _pair_draws(keys_ptr, cols[None, :], pair_rows[:, None], pairs_per_row, WIDE)
         draws = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (16, BLOCK_N))
     codes = _e2m1_codes(x * encode[None, :], draws, STOCHASTIC)
     codes = tl.where((scale_code == _E4M3_NAN)[None, :], 0, codes)
@@ -245,7 +246,7 @@ def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, rows, cols, data_ptr, scale_
 
 
 @triton.jit
-def _quantize_tiles(x, s_enc_ptr, rows, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, N, length,
+def _quantize_tiles(x, s_enc_ptr, rows, row_ok, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, length,
                     BLOCK_N: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr):
     """Both copies of the tile x [16, BLOCK_N] in 16x16 tiles, rounded to nearest: every element has
     one scale and one S_enc in both directions (no transform), so one code serves both copies."""
@@ -253,7 +254,7 @@ def _quantize_tiles(x, s_enc_ptr, rows, cols, row_data_ptr, row_scale_ptr, col_d
     encode_cols = tl.reshape(tl.broadcast_to(encode[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     nan_cols = tl.reshape(tl.broadcast_to((scale_code == _E4M3_NAN)[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     codes = tl.where(nan_cols[None, :], 0, _e2m1_codes(x * encode_cols[None, :], x, False))
-    _store_rows(codes, tl.broadcast_to(scale_code[None, :], (16, BLOCK_N // 16)), rows, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, ROW_INT32)
+    _store_rows(codes, tl.broadcast_to(scale_code[None, :], (16, BLOCK_N // 16)), rows, row_ok, row_data_ptr, row_scale_ptr, N, BLOCK_N, ROW_INT32)
     scale_cols = tl.reshape(tl.broadcast_to(scale_code[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     _store_columns(codes, scale_cols, cols, col_data_ptr, col_scale_ptr, N, length, BLOCK_N, COL_INT32)
 
@@ -265,7 +266,7 @@ def _tile_amaxes(x, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _cast_columns(x, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr,
+def _cast_columns(x, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr,
                   BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N] (after the transform with RHT), one block
     down each column, in one thread's registers."""
@@ -275,7 +276,7 @@ def _cast_columns(x, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, len
         x = _hadamard_columns(x, BLOCK_N)
     if not BLOCK_2D:
         amax = _block_amax(tl.abs(x), 0)
-    _quantize_columns(x, amax, amax_ptr, keys_ptr, rows, cols, data_ptr, scale_ptr, N, length, BLOCK_N, STOCHASTIC, INT32, WIDE)
+    _quantize_columns(x, amax, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, N, length, BLOCK_N, STOCHASTIC, INT32, WIDE)
 
 
 @triton.jit
@@ -286,17 +287,37 @@ def _cast_kernel(
     STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
 ):
     rows, cols, x = _load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
+    _cast_tile(
+        x, rows, rows, rows < M, cols, row_amax_ptr, col_amax_ptr, keys_ptr, tl.program_id(0) * 8, (col_length + 1) // 2,
+        row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length,
+        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N,
+    )
+
+
+@triton.jit
+def _cast_tile(
+    x, draw_rows, rows, row_ok, cols, row_amax_ptr, col_amax_ptr, keys_ptr, pair_base, pairs_per_row,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
+    STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Both copies of the tile x [16, BLOCK_N]: its rowwise codes into rows `rows` (where `row_ok`),
+    drawing as rows `draw_rows`; its columnwise codes into run program_id(0) of the stored rows,
+    drawing as pairs pair_base.. of rows of `pairs_per_row` pairs."""
     if BLOCK_2D and ROWWISE and COLUMNWISE and not STOCHASTIC:  # one code per element serves both
-        _quantize_tiles(x, row_amax_ptr, rows, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, N, col_length, BLOCK_N, ROW_INT32, COL_INT32)
+        _quantize_tiles(x, row_amax_ptr, rows, row_ok, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, ROW_INT32, COL_INT32)
     else:
         if ROWWISE:  # blocks of 16 along each row: VEC elements in each of 16/VEC adjacent threads
             if BLOCK_2D:  # one amax per 16x16 tile, for both directions
                 amax = tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[None, :], (16, BLOCK_N // 16))
             else:
                 amax = _block_amax(tl.reshape(tl.abs(x), (16, BLOCK_N // 16, 16)), 2)
-            _quantize_rows(x, amax, row_amax_ptr, keys_ptr, rows, cols, row_data_ptr, row_scale_ptr, M, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE)
+            _quantize_rows(x, amax, row_amax_ptr, keys_ptr, draw_rows, rows, row_ok, row_data_ptr, row_scale_ptr, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE)
         if COLUMNWISE:
-            _cast_columns(x, col_amax_ptr, keys_ptr + 2, rows, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE)
+            _cast_columns(
+                x, col_amax_ptr, keys_ptr + 2, pair_base, pairs_per_row, cols, col_data_ptr, col_scale_ptr, N, col_length,
+                BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE,
+            )
 
 
 # (warps, bytes each thread loads from a row) of the cast (by its rounding) and of the

@@ -14,7 +14,7 @@ from qtensor import gemm
 from qtensor.gemm import backends
 from qtensor.core import kernels
 from qtensor.core.kernels import lookup, reference_kernels
-from qtensor.core.quantizer import RowGroups
+from qtensor.core.groups import RowGroups
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -60,6 +60,10 @@ REFERENCES: dict[str, str] = {
     "gemm.scale_output": "gemm.backends._scale_and_finish",
     "grouped_mm.float8_rows": "torch._scaled_grouped_mm of FP8 rows and a stack, split accumulator (fprop, dgrad)",
     "grouped_mm.float8_columns": "torch._scaled_grouped_mm of two columnwise copies, split accumulator (wgrad)",
+    "grouped_mm.bf16_rows": "gemm.grouped.values_nt of rows and a stack, times each group's factor (fprop, dgrad)",
+    "grouped_mm.bf16_columns": "gemm.grouped.values_nt of two columnwise copies, times each group's factor (wgrad)",
+    "nvfp4_groups.amaxes": "formats.nvfp4_groups: each group's finite amax, and of its transformed columnwise copy",
+    "nvfp4_groups.cast": "formats.nvfp4_groups._cast_each: each group's nvfp4 cast of both directions",
 }
 
 # The kernels whose reference the compiler traces and fuses (see the module's docstring).

@@ -8,10 +8,9 @@ import inspect
 import json
 import math
 
-from typing import NamedTuple
-
 import torch
 
+from .groups import GroupedCopy, RowGroups
 from .storage import Storage, holds_storages
 
 QUANTIZER_CLASSES: dict[str, type["Quantizer"]] = {}
@@ -38,84 +37,6 @@ def _col_block(storages) -> int | None:
 def _fresh(quantizer: "Quantizer") -> "Quantizer":
     """A new quantizer of `quantizer`'s configuration (children too), with new running state."""
     return type(quantizer)(**{k: _fresh(v) if isinstance(v, Quantizer) else v for k, v in quantizer.config().items()})
-
-
-class RowGroups:
-    """Groups of consecutive rows: a grouped GEMM's routed rows (rows sorted by expert), or an expert
-    stack's experts. `lengths` holds each group's rows on the host; on the device, `ends` (given),
-    `starts` and `device_lengths`, and where a columnwise copy runs each group on to a multiple of
-    `align` columns (zero codes after its rows), `padded` lengths and the `bases` of those runs.
-    Everything on the device is derived from `ends` there (no copy from the host, no sync), each
-    when first asked for: a grouped GEMM's host time is mostly such small launches."""
-
-    def __init__(self, lengths: tuple[int, ...], ends: torch.Tensor, align: int = 1, bases: torch.Tensor | None = None):
-        self.lengths, self.align, self.ends = tuple(lengths), align, ends
-        if bases is not None:
-            self.bases = bases
-        self._aligned: dict[int, RowGroups] = {align: self}
-
-    @functools.cached_property
-    def padded(self) -> tuple[int, ...]:
-        return self.lengths if self.align == 1 else tuple(-(-n // self.align) * self.align for n in self.lengths)
-
-    @functools.cached_property
-    def device_lengths(self) -> torch.Tensor:
-        return torch.diff(self.ends, prepend=self.ends.new_zeros(1)).long()
-
-    @functools.cached_property
-    def starts(self) -> torch.Tensor:
-        return self.ends.long() - self.device_lengths
-
-    @functools.cached_property
-    def padded_ends(self) -> torch.Tensor:
-        if self.align == 1:
-            return self.ends.long()
-        return torch.cumsum((self.device_lengths + self.align - 1) // self.align * self.align, 0)
-
-    @functools.cached_property
-    def bases(self) -> torch.Tensor:
-        """Where each group's padded run starts."""
-        return self.padded_ends - (self.device_lengths + self.align - 1) // self.align * self.align
-
-    def aligned(self, align: int) -> RowGroups:
-        """These groups with columnwise runs of multiples of `align`, sharing what both derive alike
-        (made once per alignment)."""
-        if align not in self._aligned:
-            other = RowGroups(self.lengths, self.ends, align=align)
-            other.__dict__.update({name: self.__dict__[name] for name in ("device_lengths", "starts") if name in self.__dict__})
-            other._aligned = self._aligned
-            self._aligned[align] = other
-        return self._aligned[align]
-
-    def offsets(self, padded: bool) -> torch.Tensor:
-        """int32 group ends on the device, of the rows or of the padded runs: a grouped GEMM's `offs`."""
-        ends = self.padded_ends if padded else self.ends
-        return ends if ends.dtype == torch.int32 else ends.to(torch.int32)
-
-    def of_rows(self) -> torch.Tensor:
-        """The group of every row, on the device."""
-        groups = torch.arange(len(self.lengths), device=self.ends.device)
-        return torch.repeat_interleave(groups, self.device_lengths, output_size=sum(self.lengths))
-
-    def positions(self) -> torch.Tensor:
-        """Where every row lands in the padded runs: its group's base plus its place in the group."""
-        return torch.arange(sum(self.lengths), device=self.ends.device) + (self.bases - self.starts)[self.of_rows()]
-
-
-class GroupedOperand(NamedTuple):
-    """One operand of a grouped GEMM, every group cast at once (`Quantizer.quantize_groups`,
-    `quantize_stack`): FP8 codes with the GEMM's reduction dimension last, the fp32 factor that
-    dequantizes each row of `data`, and for routed rows their groups, along `data`'s rows, or along
-    its columns run on to the groups' `padded` lengths (a columnwise copy)."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
-    groups: RowGroups | None = None
-    padded: bool = False
-
-    @property
-    def lengths(self) -> tuple[int, ...]:
-        return self.groups.padded if self.padded else self.groups.lengths
 
 
 class Quantizer:
@@ -233,12 +154,31 @@ class Quantizer:
         return None
 
     def group_block_rows(self) -> int | None:
-        """For a format without a tensor-wide scale whose values bf16 holds exactly: the rows of its
-        columnwise blocks. A grouped GEMM then casts all its groups as one tensor, each group run on
-        to a whole number of blocks with zero rows (no block spans two groups, so each group gets the
-        codes and scales of its own cast), and multiplies the values in one bf16 grouped GEMM. None
-        for any other format."""
+        """For a format whose values, less a tensor scale, bf16 holds exactly: the rows of its
+        columnwise blocks. A grouped GEMM then casts all its groups at once
+        (`quantize_padded_groups`), each group run on to a whole number of blocks with zero rows for
+        the columnwise copy (no block spans two groups, so each group gets the codes and scales of
+        its own cast), and multiplies the values in one bf16 grouped GEMM, each group's tensor
+        scales in its epilogue. None for any other format."""
         return None
+
+    def reduction_transform(self, direction: str) -> str | None:
+        """The transform `direction`'s copy holds its values in along the dimension its GEMM reduces
+        over (Storage.reduction_transform): two operands multiply only in the same one."""
+        return None
+
+    def quantize_padded_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
+        """(rowwise, columnwise) GroupedCopy of the routed rows `x` [M, K], each of the `groups`
+        given the codes and scales of its own cast (the columnwise copy over the groups' rows run on
+        to multiples of `groups.align` with zero rows), for a format with `group_block_rows`. Here a
+        format without a tensor-wide scale: a row's codes do not depend on its group, so the rows
+        are cast as one tensor, and their columnwise copy as one from the padded rows."""
+        if groups.padded == groups.lengths and rowwise and columnwise:  # both copies from one cast
+            both = self.quantize(x, rowwise=True, columnwise=True)
+            return GroupedCopy(both.rowwise), GroupedCopy(both.columnwise)
+        row = GroupedCopy(self.quantize(x, rowwise=True, columnwise=False).rowwise) if rowwise else None
+        col = GroupedCopy(self.quantize(groups.pad(x), rowwise=False, columnwise=True).columnwise) if columnwise else None
+        return row, col
 
     def quantize_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
         """(rowwise, columnwise) GroupedOperand of `x` [M, K], each of the `groups` of consecutive

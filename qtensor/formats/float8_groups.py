@@ -31,7 +31,7 @@ import torch
 
 from ..core.kernels import lookup
 from ..core.numerics import current_scale, exact_quotient, fp8_max, quantize_per_tensor
-from ..core.quantizer import GroupedOperand, RowGroups
+from ..core.groups import GroupedOperand, RowGroups
 
 ALIGN = 16  # rows per group of a columnwise copy: a multiple of this
 

@@ -85,6 +85,20 @@ class HybridQuantizer(Quantizer):
     def quantizer_for(self, direction: str) -> Quantizer:
         return getattr(self, direction)
 
+    # ---- grouped GEMMs: each direction by its child, where both children cast groups at once
+    def group_block_rows(self) -> int | None:
+        if self.columnwise_source != "original" or self.rowwise.group_block_rows() is None:
+            return None
+        return self.columnwise.group_block_rows()
+
+    def reduction_transform(self, direction):
+        return getattr(self, direction).reduction_transform(direction)
+
+    def quantize_padded_groups(self, x, groups, rowwise, columnwise):
+        row = self.rowwise.quantize_padded_groups(x, groups, True, False)[0] if rowwise else None
+        col = self.columnwise.quantize_padded_groups(x, groups, False, True)[1] if columnwise else None
+        return row, col
+
     def move_state(self, device) -> None:
         self.rowwise.move_state(device)
         self.columnwise.move_state(device)

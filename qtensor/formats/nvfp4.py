@@ -21,6 +21,7 @@ from ..core.kernels import lookup
 from ..core.quantizer import Quantizer
 from ..core.storage import BlockScaledOperand, Buffer, Storage, TensorScale
 from ..core.tensor import QuantizedTensor
+from .nvfp4_groups import cast_groups
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -304,6 +305,7 @@ class NVFP4Quantizer(Quantizer):
 
     format_name = "nvfp4"
     tensor_class = NVFP4Tensor
+    storage_class = NVFP4Storage
 
     def __init__(self, block_2d: bool = False, rht: bool = False, stochastic_rounding: bool = False, seed=None):
         for option, value in (("block_2d", block_2d), ("rht", rht), ("stochastic_rounding", stochastic_rounding)):
@@ -356,6 +358,12 @@ class NVFP4Quantizer(Quantizer):
             global_amax, column_amax = self._amaxes(x, columnwise)
             row, col = kernel(x, global_amax, column_amax, keys, rowwise, columnwise, self.block_2d, self.rht)
             return (self._storage("rowwise", x.shape, *row, global_amax) if rowwise else None, self._storage("columnwise", x.shape, *col, column_amax) if columnwise else None)
+        return self._reference_cast(x, keys, rowwise, columnwise)
+
+    def _reference_cast(self, x, keys, rowwise, columnwise):
+        """(rowwise, columnwise) storages of the 2-D `x` by the pure-torch reference, rounding
+        stochastically under `keys` (draw_keys) where given."""
+        rows, cols = x.shape
         x = x.float()
         global_amax = tensor_amax(x)
         s_enc = encode_scale(global_amax)
@@ -379,6 +387,19 @@ class NVFP4Quantizer(Quantizer):
             column_keys = None if keys is None else keys[2:]
             columnwise_storage = self._storage("columnwise", x.shape, *quantize_row_blocks(x_t, column_s_enc, amax, column_keys), column_amax)
         return rowwise_storage, columnwise_storage
+
+    # ---- grouped GEMMs: every group at once, each at its own tensor scale (formats/nvfp4_groups.py)
+    def group_block_rows(self) -> int:
+        return BLOCK_SIZE  # q · float(s) is exact in bf16; the tensor scale goes to the GEMM's epilogue
+
+    def reduction_transform(self, direction):
+        return "rht" if direction == "columnwise" and self.rht else None
+
+    def quantize_padded_groups(self, x, groups, rowwise, columnwise):
+        keys = None
+        if self.stochastic_rounding:  # each group's own keys, from one draw
+            keys = torch.randint(0, 2**32, (len(groups.lengths), 4), generator=self._generator(x.device), device=x.device, dtype=torch.int64)
+        return cast_groups(self, x, groups, rowwise, columnwise, keys)
 
     def _amaxes(self, x, columnwise):
         """The global amax of `x` and that of the columnwise copy (of the transformed values with `rht`),

@@ -141,53 +141,73 @@ def _each_group(out: torch.Tensor, lengths, grouped_rows: bool, product) -> torc
     return out
 
 
-# ---- values bf16 holds exactly (MXFP8), every group in one launch ------------------------------
-def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
-    """`grouped_mm(a, b, offs)` of two operands' dequantized values, the product summed in fp32 and
-    rounded once to `out_dtype`:
+# ---- values bf16 holds exactly (MXFP8, NVFP4 less its tensor scales), every group in one launch ----
+def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """`grouped_mm(a, b, offs)` of two operands' dequantized values, the product summed in fp32,
+    times group g's fp32 `factor[g]` where given (the groups' tensor scales), rounded once to
+    `out_dtype`:
 
         a [M, K], b [E, K, N]   C [M, N]      rows of group e times b_e        (fprop, dgrad)
         a [N, M], b [M, K]      C [E, N, K]   group e's columns times its rows (wgrad)
 
-    On the bf16 tensor cores (`torch._grouped_mm`, bf16 out) where the values are bf16 (exact: the
-    caller's format holds them so); else the reference, group by group in fp32 (torch's CPU
-    grouped GEMM where it takes fp32)."""
-    if a.device.type == "cuda" and a.dtype == b.dtype == torch.bfloat16 and out_dtype == torch.bfloat16:
-        return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
-    if a.device.type == "cpu":
-        return torch._grouped_mm(a.float(), b.float(), offs=offs.to(torch.int32)).to(out_dtype)
-    from .backends import _finish, _fp32_matmul
-
+    On the bf16 tensor cores where the values are bf16 (exact: the caller's format holds them so):
+    `torch._grouped_mm` (bf16 out) without factors, qtensor's grouped GEMMs with them
+    (qtensor_kernels/grouped_mm.py: the factor in the fp32 epilogue); else the reference, group by
+    group in fp32 (torch's CPU grouped GEMM where it takes fp32)."""
     grouped_rows = b.dim() == 3
+    on_gpu = a.device.type == "cuda" and a.dtype == b.dtype == torch.bfloat16
+    if on_gpu and factor is None and out_dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+    kernel = lookup("grouped_mm.bf16_rows" if grouped_rows else "grouped_mm.bf16_columns", a) if on_gpu and factor is not None else None
+    if kernel is not None:
+        factor = factor.expand(len(lengths)).contiguous()
+        if grouped_rows:  # b_e read as [N, K]: K, the reduction, contiguous
+            b_nk = b.transpose(-2, -1)
+            return kernel(a.contiguous(), b_nk if b_nk.stride(-1) == 1 else b_nk.contiguous(), factor, offs, out_dtype)
+        return kernel(a.contiguous(), b.t().contiguous(), factor, offs, out_dtype)
+    if a.device.type == "cpu":
+        product = torch._grouped_mm(a.float(), b.float(), offs=offs.to(torch.int32))
+        if factor is not None:
+            lengths_here = torch.tensor(lengths, device=a.device)
+            factor = factor.expand(len(lengths))
+            product = product * (torch.repeat_interleave(factor, lengths_here)[:, None] if grouped_rows else factor[:, None, None])
+        return product.to(out_dtype)
+    from .backends import _finish, _fp32_matmul
 
     def product(group: int, start: int, end: int) -> torch.Tensor:
         a_g, b_g = (a[start:end], b[group]) if grouped_rows else (a[:, start:end], b[start:end])
-        return _finish(_fp32_matmul(a_g.float(), b_g.float()), None, out_dtype)
+        scaled = _fp32_matmul(a_g.float(), b_g.float())
+        return _finish(scaled if factor is None else scaled * factor.expand(len(lengths))[group], None, out_dtype)
 
     shape = (a.shape[0], b.shape[-1]) if grouped_rows else (len(lengths), a.shape[0], b.shape[1])
     return _each_group(a.new_zeros(shape, dtype=out_dtype), lengths, grouped_rows, product)
 
 
-# ---- copies whose values bf16 holds (MXFP8), through `values_nt` ----------------------------------
-def blocks_rows(a, stack, stack_direction: str, experts: int, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
-    """C [M, N]: the rows of group e of `a` (a QuantizedTensor [M, K], its rowwise copy) times
-    expert e of `stack` (a QuantizedTensor [E·R, C] of whole experts), reduced along the copy's
-    blocks: the rowwise copy gives A_e · W_eᵀ (N = R, fprop), the columnwise one A_e · W_e (N = C,
-    dgrad). The product of the copies' values summed in fp32, rounded once to `out_dtype`."""
-    values = _values(stack, stack_direction)
-    matrices = values.view(experts, -1, values.shape[1])
-    b = matrices.transpose(-2, -1) if stack_direction == "rowwise" else matrices
-    return values_nt(_values(a, "rowwise"), b, offs, lengths, out_dtype)
+# ---- grouped copies (core/quantizer.GroupedCopy), through `values_nt` -----------------------------
+def copies_rows(a, stack, stack_direction: str, experts: int, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """C [M, N]: the rows of group e of `a` (the routed rows' rowwise GroupedCopy, [M, K]) times
+    expert e of `stack` (a GroupedCopy of the experts' matrices as one [E·R, C]), reduced along the
+    copy's blocks: the rowwise copy gives A_e · W_eᵀ (N = R, fprop), the columnwise one A_e · W_e
+    (N = C, dgrad). Each group's factor is the product of the two copies' factors."""
+    a_values, a_factor = a.operand()
+    values, b_factor = stack.operand()  # stored: [E·R, C] rowwise, [C, E·R] columnwise
+    if stack_direction == "rowwise":
+        b = values.view(experts, -1, values.shape[1]).transpose(-2, -1)  # [E, C, R]: W_eᵀ
+    else:
+        b = values.view(values.shape[0], experts, -1).permute(1, 2, 0)  # [E, R, C]: W_e
+    return values_nt(a_values, b, offs, lengths, out_dtype, _product(a_factor, b_factor))
 
 
-def blocks_columns(a, b, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
-    """C [E, N, K], C_e = A[run e]ᵀ · B[run e] of the columnwise copies of `a` [R, N] and `b` [R, K],
-    each group's run of rows (`offs`, `lengths`) whole blocks (wgrad); an empty run gives zeros."""
-    return values_nt(_values(a, "columnwise").t(), _values(b, "columnwise"), offs, lengths, out_dtype)
+def copies_columns(a, b, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """C [E, N, K], C_e = A[run e]ᵀ · B[run e] of the columnwise GroupedCopies of `a` [R, N] and `b`
+    [R, K], each group's run of rows (`offs`, `lengths`) whole blocks (wgrad); an empty run gives
+    zeros. The two copies hold their values in the same reduction transform, which cancels."""
+    (a_values, a_factor), (b_values, b_factor) = a.operand(), b.operand()  # [N, R], [K, R]
+    return values_nt(a_values, b_values.t(), offs, lengths, out_dtype, _product(a_factor, b_factor))
 
 
-def _values(tensor, direction: str) -> torch.Tensor:
-    """One copy's values, [rows, cols]: bf16 on a GPU (exact for the formats whose values bf16
-    holds, `Quantizer.group_block_rows`), fp32 elsewhere."""
-    on_gpu = tensor.storage_for(direction).device.type == "cuda"
-    return tensor.dequantize(torch.bfloat16 if on_gpu else torch.float32, direction)
+def _product(a_factor, b_factor):
+    """The two operands' factors multiplied (fp32, per group), as the dense epilogue does."""
+    if a_factor is None:
+        return b_factor
+    return a_factor if b_factor is None else a_factor * b_factor

@@ -9,9 +9,10 @@ scales of its own cast, as that expert's quantized linear would cast it (linear.
 - `GroupedFloat8Function`: Float8 roles (per-tensor current scaling, row-wise) cast every group at
   once (`Quantizer.quantize_groups` / `quantize_stack`), each GEMM one grouped FP8 GEMM
   (`gemm.grouped.scaled_nt`);
-- `PaddedGroupsFunction`: MXFP8 over more than a few experts, the routed rows cast as one tensor
-  with each group padded to whole blocks for the columnwise copy, each GEMM one bf16 grouped GEMM
-  over the exact values (`gemm.grouped.blocks_rows`, `blocks_columns`);
+- `PaddedGroupsFunction`: MXFP8, NVFP4 and their hybrid over more than a few experts, every group
+  cast at once with each group padded to whole blocks for the columnwise copy (each group at its
+  own tensor scale), each GEMM one bf16 grouped GEMM over the exact values with each group's
+  tensor scales in its epilogue (`gemm.grouped.copies_rows`, `copies_columns`);
 - `GroupedLinearFunction`: any other layer, each group cast and multiplied in turn
   (`gemm.grouped.fprop` / `dgrad` / `wgrad`), every backward override included.
 """
@@ -21,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from .. import gemm
-from ..core.quantizer import INPUT_DTYPES, GroupedOperand, RowGroups
+from ..core.groups import GroupedCopy, GroupedOperand, RowGroups
+from ..core.quantizer import INPUT_DTYPES
 from .config import LinearQuantizers
 from .linear import _output_dtype, _pack_saved, _quantize, _unpack_saved
 from ..core.tensor import QuantizedTensor
@@ -157,37 +159,33 @@ FEW_EXPERTS = 8
 
 
 class PaddedGroupsFunction(torch.autograd.Function):
-    """`GroupedLinearFunction` for formats without a tensor-wide scale whose values bf16 holds
-    exactly (`Quantizer.group_block_rows`: MXFP8) and a quantized backward. The routed rows are cast
-    as one tensor (a row's codes do not depend on its group); their columnwise copy, from the rows
-    with each group run on to a whole number of blocks with zero rows, so that no block spans two
-    groups; the stack's experts as one [E·N, K] matrix (N a whole number of blocks). Each GEMM is
-    one grouped GEMM over the dequantized values (`gemm.grouped.blocks_rows`, `blocks_columns`).
-    The codes and scales are those of the groups and experts cast one by one."""
+    """`GroupedLinearFunction` for block formats whose values, less a tensor scale, bf16 holds
+    exactly (`Quantizer.group_block_rows`: MXFP8, NVFP4, their hybrid) and a quantized backward.
+    Every group of routed rows is cast at once (`Quantizer.quantize_padded_groups`): the rowwise
+    copy over the rows, the columnwise copy over each group run on to whole blocks with zero rows,
+    so that no block spans two groups; the stack's experts as one [E·N, K] matrix (N a whole number
+    of blocks). A format with a tensor scale (NVFP4) scales each group and each expert by its own.
+    Each GEMM is one grouped GEMM over the copies' values, each group's tensor scales in its fp32
+    epilogue (`gemm.grouped.copies_rows`, `copies_columns`). The codes and scales are those of the
+    groups and experts cast one by one."""
 
     @staticmethod
     def forward(ctx, x, stack, groups: RowGroups, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
         input_needs_grad, weight_needs_grad = needs_grad
         rows = x[: sum(groups.lengths)]
         experts, n, k = stack.shape[0], stack.shape[-1] if in_out else stack.shape[-2], stack.shape[-2] if in_out else stack.shape[-1]
-        aligned = _aligned(groups, linear)
-        if weight_needs_grad and aligned.padded == aligned.lengths:  # whole blocks already: both copies from one cast
-            x_q = x_col = _quantize(linear.input, rows, rowwise=True, columnwise=True)
-        else:
-            x_q = _quantize(linear.input, rows, rowwise=True, columnwise=False)
-            x_col = _quantize(linear.input, _padded(rows, aligned), rowwise=False, columnwise=True) if weight_needs_grad else None
+        x_row, x_col = linear.input.quantize_padded_groups(rows, _aligned(groups, linear), True, weight_needs_grad)
         if stack.quantized_at_use:
             values = stack.plain()
             weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
-            w_q = _quantize(linear.weight, weights.reshape(experts * n, k), rowwise=True, columnwise=input_needs_grad)
-        else:  # the experts' casts, both directions, as one [E·N, K] tensor over the stack's bytes (a format
-            # of these blocks has no tensor-wide scale, and N is whole blocks: `_pads_groups`)
-            w_q = stack.joined()
+            w_row, w_col = linear.weight.quantize_padded_groups(weights.reshape(experts * n, k), _experts(linear, experts, n, x.device), True, input_needs_grad)
+        else:  # the experts' casts in place, each direction as one [E·N, K] copy over the stack's bytes
+            w_row, w_col = stack.grouped_copy("rowwise"), stack.grouped_copy("columnwise") if input_needs_grad else None
         out_dtype = _output_dtype(x, stack)
-        y = gemm.grouped.blocks_rows(x_q, w_q, "rowwise", experts, groups.offsets(False), groups.lengths, out_dtype)
+        y = gemm.grouped.copies_rows(x_row, w_row, "rowwise", experts, groups.offsets(False), groups.lengths, out_dtype)
         saved, ctx.rebuilds = [], []
-        for tensor, needed in ((x_col, weight_needs_grad), (w_q, input_needs_grad)):
-            tensors, rebuild = _pack_saved(tensor, "columnwise") if needed else ([None], None)
+        for copy in (x_col, w_col):
+            tensors, rebuild = _pack_copy(copy)
             ctx.rebuilds.append((len(tensors), rebuild))
             saved.extend(tensors)
         ctx.save_for_backward(*saved)
@@ -200,38 +198,47 @@ class PaddedGroupsFunction(torch.autograd.Function):
         linear, groups = ctx.linear, ctx.groups
         input_needs_grad, weight_needs_grad = ctx.needs_grad
         x_shape, x_dtype, stack_dtype, experts, wgrad_dtype = ctx.shapes
-        (x_count, x_rebuild), (w_count, w_rebuild) = ctx.rebuilds
+        (x_count, x_rebuild), (_, w_rebuild) = ctx.rebuilds
         saved = ctx.saved_tensors
-        x_col, w_col = _unpack_saved(saved[:x_count], x_rebuild), _unpack_saved(saved[x_count:], w_rebuild)
-        grad = grad_out[: sum(groups.lengths)]
-        grad_x = grad_stack = None
+        x_col, w_col = _unpack_copy(saved[:x_count], x_rebuild), _unpack_copy(saved[x_count:], w_rebuild)
         padded = _aligned(groups, linear)
-        both = input_needs_grad and weight_needs_grad and padded.padded == padded.lengths  # both copies from one cast
-        g_q = _quantize(linear.grad_output, grad, rowwise=True, columnwise=True) if both else None
+        g_row, g_col = linear.grad_output.quantize_padded_groups(grad_out[: sum(groups.lengths)], padded, input_needs_grad, weight_needs_grad)
+        grad_x = grad_stack = None
         if input_needs_grad:
-            g_row = g_q if both else _quantize(linear.grad_output, grad, rowwise=True, columnwise=False)
-            grad_x = gemm.grouped.blocks_rows(g_row, w_col, "columnwise", experts, groups.offsets(False), groups.lengths, x_dtype)
+            grad_x = gemm.grouped.copies_rows(g_row, w_col, "columnwise", experts, groups.offsets(False), groups.lengths, x_dtype)
             grad_x = _rows_past_end_zero(grad_x, x_shape[0])
         if weight_needs_grad:
-            g_col = g_q if both else _quantize(linear.grad_output, _padded(grad, padded), rowwise=False, columnwise=True)
-            grad_stack = gemm.grouped.blocks_columns(g_col, x_col, padded.offsets(True), padded.padded, wgrad_dtype).to(stack_dtype)  # [experts, out, in]
+            grad_stack = gemm.grouped.copies_columns(g_col, x_col, padded.offsets(True), padded.padded, wgrad_dtype).to(stack_dtype)  # [experts, out, in]
             grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
         return grad_x, grad_stack, None, None, None, None
 
 
 def _aligned(groups: RowGroups, linear: LinearQuantizers) -> RowGroups:
     """`groups` with each group's columnwise run a whole number of the format's blocks of rows."""
-    block = linear.input.group_block_rows()
-    return groups.aligned(block)
+    return groups.aligned(linear.input.group_block_rows())
 
 
-def _padded(rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
-    """`rows` with each group followed by zero rows up to its padded length."""
-    if groups.padded == groups.lengths:
-        return rows
-    out = rows.new_zeros((sum(groups.padded), rows.shape[1]))
-    out.index_copy_(0, groups.positions(), rows)
-    return out
+def _experts(linear: LinearQuantizers, experts: int, rows: int, device) -> RowGroups:
+    """A stack's experts, [E·N, K], as groups of N rows (whole blocks: `_pads_groups`)."""
+    return RowGroups((rows,) * experts, torch.arange(1, experts + 1, device=device) * rows, align=linear.weight.group_block_rows())
+
+
+def _pack_copy(copy: GroupedCopy | None):
+    """(the plain tensors to save for backward, how to rebuild the copy from them), as `_pack_saved`
+    saves a quantized operand's one direction: its storage's buffers, then its groups' scales."""
+    if copy is None:
+        return [None], None
+    storage = copy.storage
+    names = tuple(spec.name for spec in storage.buffer_specs())
+    fields = dict(direction=storage.direction, rows=storage.rows, cols=storage.cols, row_slice=storage.row_slice, **storage.options)
+    return [getattr(storage, name) for name in names] + [copy.group_scales], (type(storage), fields, names)
+
+
+def _unpack_copy(tensors, rebuild) -> GroupedCopy | None:
+    if rebuild is None:
+        return None
+    storage_class, fields, names = rebuild
+    return GroupedCopy(storage_class(**fields, **dict(zip(names, tensors))), tensors[len(names)])
 
 
 def _wgrad_dtype(out_dtype: torch.dtype, stack) -> torch.dtype:
@@ -264,12 +271,20 @@ def _casts_groups_at_once(linear: LinearQuantizers, stack):
 
 
 def _pads_groups(linear: LinearQuantizers, stack, in_out: bool):
-    """PaddedGroupsFunction where it takes the layer: a quantized backward, every role's format
-    casting padded groups as one tensor with one block size, and experts of whole blocks of rows."""
+    """PaddedGroupsFunction where it takes the layer: a quantized backward; every role's format
+    casting padded groups, the routed rows' two columnwise copies (wgrad's operands) with blocks of
+    one size and in one reduction transform; the weight's columnwise copy (dgrad's, beside the
+    gradient's rowwise one) in none; and experts of whole blocks of rows."""
     roles = (linear.input, linear.weight, linear.grad_output)
-    blocks = {quantizer.group_block_rows() if quantizer is not None else None for quantizer in roles}
+    if linear.backward_override is not None or any(quantizer is None or quantizer.group_block_rows() is None for quantizer in roles):
+        return None
     out_features = stack.shape[-1] if in_out else stack.shape[-2]
-    takes = linear.backward_override is None and len(blocks) == 1 and None not in blocks and out_features % blocks.pop() == 0
+    takes = (
+        linear.input.group_block_rows() == linear.grad_output.group_block_rows()
+        and linear.input.reduction_transform("columnwise") == linear.grad_output.reduction_transform("columnwise")
+        and linear.weight.reduction_transform("columnwise") is None
+        and out_features % max(quantizer.group_block_rows() for quantizer in roles) == 0
+    )
     # With few experts, each large, group by group is faster (it casts each group's two copies from
     # one read; measured on an H100 at Mixtral-like shapes, 8 experts: 0.87x bf16 against 0.80x).
     return PaddedGroupsFunction if takes and stack.shape[0] > FEW_EXPERTS else None

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..core import tensor as core_tensor
 from ..core.numerics import sharded_cast
-from ..core.quantizer import GroupedOperand
+from ..core.groups import GroupedCopy, GroupedOperand
 from ..core.tensor import QuantizedTensor
 from ..distributed import fsdp, packing
 from .config import LinearQuantizers
@@ -128,25 +128,27 @@ class QuantizedStack(LayerWeight, torch.Tensor):
         per_expert = per_expert[:, :1] if getattr(self.first_expert(), direction).buffers["scale_inv"].dim() == 0 else per_expert
         return GroupedOperand(data, per_expert.expand(experts, rows).contiguous())
 
-    def joined(self) -> QuantizedTensor | None:
-        """The experts as one `[experts · out, in]` quantized tensor over the stacked bytes (views:
-        no copy where each buffer's rows come first), where every buffer of both copies follows the
-        rows and each expert's rows fill whole entries of it (MXFP8 experts of whole 32-row blocks);
-        else None (a tensor-wide scale per expert cannot be one tensor's)."""
+    def grouped_copy(self, direction: str) -> GroupedCopy | None:
+        """The experts' `direction` copies as one `[experts · out, in]` GroupedCopy over the stacked
+        bytes (views where each buffer's rows come first, else one copy of the codes), where every
+        buffer follows the rows and each expert's rows fill whole entries of it (experts of whole
+        blocks of rows); a tensor-wide buffer (NVFP4's global amax) gives each expert's own. None
+        where an expert's rows do not fill whole entries."""
         first, count = self.first_expert(), self.shape[0]
         rows = first.shape[0]
-        storages = {}
-        for direction in ("rowwise", "columnwise"):
-            storage, buffers = getattr(first, direction), {}
-            for spec in storage.buffer_specs():
-                if spec.tensor_wide or spec.entries(rows * count) != count * spec.entries(rows):
-                    return None
-                stacked = self.stacked[(direction, spec.name)]
-                shape = list(stacked.shape[1:])
-                shape[spec.row_axis] *= count
-                buffers[spec.name] = stacked.movedim(0, spec.row_axis).reshape(shape)
-            storages[direction] = storage.rebuilt(buffers, rows=rows * count)
-        return type(first).data_class((rows * count, first.shape[1]), first.dtype, storages["rowwise"], storages["columnwise"], first.quantizer)
+        storage, buffers, group_scales = getattr(first, direction), {}, None
+        for spec in storage.buffer_specs():
+            stacked = self.stacked[(direction, spec.name)]
+            if spec.tensor_wide:  # stacked [E, 4], each expert's at the start of its row (`_stacked`)
+                group_scales = stacked[:, 0]
+                buffers[spec.name] = torch.full((), float("nan"), device=stacked.device)  # never read: see GroupedCopy
+                continue
+            if spec.entries(rows * count) != count * spec.entries(rows):
+                return None
+            shape = list(stacked.shape[1:])
+            shape[spec.row_axis] *= count
+            buffers[spec.name] = stacked.movedim(0, spec.row_axis).reshape(shape)
+        return GroupedCopy(storage.rebuilt(buffers, rows=rows * count), group_scales)
 
     def requantize(self, values: torch.Tensor) -> None:
         """Cast `values` (the stack's shape) into the experts' bytes, each expert on its own: whole on

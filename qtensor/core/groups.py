@@ -1,0 +1,121 @@
+"""The groups of a grouped GEMM (an expert stack's grouped linear, layers/grouped_linear.py) and its
+operands as the grouped casts give them: `RowGroups` (the routed rows sorted by expert, or a stack's
+experts), `GroupedOperand` (FP8 codes with a factor per row: formats/float8_groups.py) and
+`GroupedCopy` (one direction of a block format's copy, each group at its own tensor scale:
+`Quantizer.quantize_padded_groups`)."""
+
+from __future__ import annotations
+
+import functools
+
+from typing import NamedTuple
+
+import torch
+
+from .storage import Storage
+
+
+class RowGroups:
+    """Groups of consecutive rows: a grouped GEMM's routed rows (rows sorted by expert), or an expert
+    stack's experts. `lengths` holds each group's rows on the host; on the device, `ends` (given),
+    `starts` and `device_lengths`, and where a columnwise copy runs each group on to a multiple of
+    `align` columns (zero codes after its rows), `padded` lengths and the `bases` of those runs.
+    Everything on the device is derived from `ends` there (no copy from the host, no sync), each
+    when first asked for: a grouped GEMM's host time is mostly such small launches."""
+
+    def __init__(self, lengths: tuple[int, ...], ends: torch.Tensor, align: int = 1, bases: torch.Tensor | None = None):
+        self.lengths, self.align, self.ends = tuple(lengths), align, ends
+        if bases is not None:
+            self.bases = bases
+        self._aligned: dict[int, RowGroups] = {align: self}
+
+    @functools.cached_property
+    def padded(self) -> tuple[int, ...]:
+        return self.lengths if self.align == 1 else tuple(-(-n // self.align) * self.align for n in self.lengths)
+
+    @functools.cached_property
+    def device_lengths(self) -> torch.Tensor:
+        return torch.diff(self.ends, prepend=self.ends.new_zeros(1)).long()
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        return self.ends.long() - self.device_lengths
+
+    @functools.cached_property
+    def padded_ends(self) -> torch.Tensor:
+        if self.align == 1:
+            return self.ends.long()
+        return torch.cumsum((self.device_lengths + self.align - 1) // self.align * self.align, 0)
+
+    @functools.cached_property
+    def bases(self) -> torch.Tensor:
+        """Where each group's padded run starts."""
+        return self.padded_ends - (self.device_lengths + self.align - 1) // self.align * self.align
+
+    def aligned(self, align: int) -> RowGroups:
+        """These groups with columnwise runs of multiples of `align`, sharing what both derive alike
+        (made once per alignment)."""
+        if align not in self._aligned:
+            other = RowGroups(self.lengths, self.ends, align=align)
+            other.__dict__.update({name: self.__dict__[name] for name in ("device_lengths", "starts") if name in self.__dict__})
+            other._aligned = self._aligned
+            self._aligned[align] = other
+        return self._aligned[align]
+
+    def offsets(self, padded: bool) -> torch.Tensor:
+        """int32 group ends on the device, of the rows or of the padded runs: a grouped GEMM's `offs`."""
+        ends = self.padded_ends if padded else self.ends
+        return ends if ends.dtype == torch.int32 else ends.to(torch.int32)
+
+    def of_rows(self) -> torch.Tensor:
+        """The group of every row, on the device."""
+        groups = torch.arange(len(self.lengths), device=self.ends.device)
+        return torch.repeat_interleave(groups, self.device_lengths, output_size=sum(self.lengths))
+
+    def positions(self) -> torch.Tensor:
+        """Where every row lands in the padded runs: its group's base plus its place in the group."""
+        return torch.arange(sum(self.lengths), device=self.ends.device) + (self.bases - self.starts)[self.of_rows()]
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (the groups' rows) with each group followed by zero rows up to its padded length."""
+        if self.padded == self.lengths:
+            return rows
+        out = rows.new_zeros((sum(self.padded), rows.shape[1]))
+        out.index_copy_(0, self.positions(), rows)
+        return out
+
+
+class GroupedOperand(NamedTuple):
+    """One operand of a grouped GEMM, every group cast at once (`Quantizer.quantize_groups`,
+    `quantize_stack`): FP8 codes with the GEMM's reduction dimension last, the fp32 factor that
+    dequantizes each row of `data`, and for routed rows their groups, along `data`'s rows, or along
+    its columns run on to the groups' `padded` lengths (a columnwise copy)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    groups: RowGroups | None = None
+    padded: bool = False
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.groups.padded if self.padded else self.groups.lengths
+
+
+class GroupedCopy(NamedTuple):
+    """One direction of a grouped GEMM's operand in a block format whose values, less a tensor
+    scale, bf16 holds exactly (`Quantizer.group_block_rows`), every group cast at once
+    (`Quantizer.quantize_padded_groups`, or an expert stack's bytes in place): `storage` over all
+    groups' rows (rowwise) or over their rows each run on to whole blocks of zero rows
+    (columnwise), and where the format scales each group by its own tensor scale (NVFP4), each
+    group's tensor-wide scale buffer [G] (NVFP4's global amax), from which `storage`'s TensorScale
+    is made per group (`storage`'s own tensor-wide buffer is then not used)."""
+
+    storage: Storage
+    group_scales: torch.Tensor | None = None
+
+    def operand(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bf16 values with the reduction dimension last, each group's fp32 factor [G] or None)."""
+        values, scale = self.storage.bf16_operand()
+        if self.group_scales is None:
+            return values, None if scale is None else scale.value().reshape(1)
+        return values, type(scale)(self.group_scales, scale.amax_max).value()
