@@ -9,8 +9,10 @@ FP8 codes with a factor per row (float8_rowwise's grouped operands):
   tile with `--sweep` (default: the kernel's own).
 
 Also prints the kernel's largest difference from torch's split product (same codes and factors).
+With `--bf16`, the bf16 grouped GEMMs instead (NVFP4's values with each group's tensor scales in
+the epilogue): torch's bf16 grouped GEMM against qtensor's `bf16_rows` / `bf16_columns`.
 
-    python benchmarks/bench_grouped_mm.py [--sweep]
+    python benchmarks/bench_grouped_mm.py [--sweep] [--bf16]
 """
 
 import argparse
@@ -21,15 +23,50 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from qtensor.core.kernels import registered  # noqa: E402
+from qtensor.core.storage import TensorScale  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="time every tile of FLOAT8_SWEEP")
+    parser.add_argument("--sweep", action="store_true", help="time every tile of FLOAT8_SWEEP (BF16_SWEEP)")
+    parser.add_argument("--bf16", action="store_true", help="the bf16 grouped GEMMs with a factor per group")
     args = parser.parse_args()
     registered()
-    float8(args.sweep)
+    (bf16 if args.bf16 else float8)(args.sweep)
+
+
+BF16_SWEEP = [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 5), (64, 128, 64, 4, 4)]
+
+
+def bf16(sweep: bool):
+    from qtensor_kernels import grouped_mm
+
+    experts, hidden, width, rows = 128, 2048, 768, 131072
+    ends = torch.tensor([rows // experts] * experts, device="cuda").cumsum(0).to(torch.int32)
+    values = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    scale = TensorScale(torch.rand(experts, device="cuda") + 0.5, 2688.0)  # each group's global amax, as NVFP4's
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 values, tensor scales per group, median ms of 20 calls")
+    print(f"{'stack':10} {'gemm':6} {'system':34} {'ms':>8} {'x bf16':>7}")
+    for name, (n, k) in {"gate_up": (2 * width, hidden), "down": (hidden, width)}.items():
+        x, grad, w3 = values(rows, k), values(rows, n), values(experts, n, k)
+        grad_t, x_t = grad.t().contiguous(), x.t().contiguous()  # the columnwise copies' layout
+        w3_t = w3.transpose(-2, -1).contiguous()  # [E, K, N]: dgrad reads each W_e with N contiguous
+        cases = {
+            "fprop": (lambda: torch._grouped_mm(x, w3.transpose(-2, -1), offs=ends), lambda tile: grouped_mm.bf16_rows(x, w3, scale, scale, ends, torch.bfloat16, tile)),
+            "dgrad": (lambda: torch._grouped_mm(grad, w3, offs=ends), lambda tile: grouped_mm.bf16_rows(grad, w3_t, scale, scale, ends, torch.bfloat16, tile)),
+            "wgrad": (lambda: torch._grouped_mm(grad_t, x, offs=ends), lambda tile: grouped_mm.bf16_columns(grad_t, x_t, scale, scale, ends, torch.bfloat16, tile)),
+        }
+        for gemm_name, (torch_bf16, kernel) in cases.items():
+            base = median_ms(torch_bf16)
+            print(f"{name:10} {gemm_name:6} {'torch bf16':34} {base:8.3f} {1.0:7.2f}")
+            for tile in BF16_SWEEP if sweep else [None]:
+                try:
+                    ms = median_ms(lambda: kernel(tile))
+                except Exception as error:  # a tile the compiler refuses (shared memory)
+                    print(f"{name:10} {gemm_name:6} {'kernel ' + str(tile):34} failed: {type(error).__name__}")
+                    continue
+                print(f"{name:10} {gemm_name:6} {'kernel ' + str(tile or 'default'):34} {ms:8.3f} {base / ms:7.2f}")
 
 
 FLOAT8_SWEEP = {

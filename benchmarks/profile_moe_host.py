@@ -3,7 +3,7 @@ time against the GPU's busy time, the kernels launched per step, then the top Py
 own time over a few steps (a wait for the GPU shows as own time of the call that synchronises,
 such as `tolist`).
 
-    python benchmarks/profile_moe_host.py [--system "float8_rowwise quantized"] [--shape qwen3]
+    python benchmarks/profile_moe_host.py [--system "float8_rowwise quantized"] [--shape qwen3] [--kernels 15]
 """
 
 import argparse
@@ -22,6 +22,7 @@ def main():
     parser.add_argument("--system", default="float8_rowwise quantized")
     parser.add_argument("--shape", default="qwen3")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--kernels", type=int, default=0, help="also the step's top kernels by GPU time")
     args = parser.parse_args()
     step = bench_moe.layer_step(args.system, args.shape)
     seconds, _ = median_step_s(step, 10)
@@ -31,6 +32,8 @@ def main():
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 1e3
     print(f"{args.system} at {args.shape}: step {seconds * 1e3:.2f} ms, GPU busy {busy:.2f} ms, {len(kernels)} kernels a step")
+    if args.kernels:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.kernels, max_name_column_width=50))
     print_host_profile(step, 5, args.top)
 
 

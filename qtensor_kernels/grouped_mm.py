@@ -14,23 +14,31 @@ grouped GEMM, these at 0.89-1.24x (benchmarks/bench_grouped_mm.py, docs/experts.
   A [N, R] and B [K, R] columnwise copies, each group's run of columns whole 16s (the casts'
   padding, zero codes after a group's rows); a group with an empty run gets zeros.
 - `bf16_rows`, `bf16_columns`: the same two products of bf16 values (the exact q·s values of NVFP4
-  copies) with one fp32 factor per group in the epilogue (each group's tensor scales), which
-  torch's bf16 grouped GEMM, writing only bf16, cannot apply before its rounding.
+  copies) times each group's tensor scales in the fp32 epilogue, computed there from the groups'
+  global amaxes, which torch's bf16 grouped GEMM, writing only bf16, cannot apply before its rounding.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from .gemm import _tensor_scale
 from .launch import launch
 
 
 @triton.jit
-def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group, GROUP_FACTOR: tl.constexpr):
-    """The fp32 product times the rows' factors of A and of B, in that order; with GROUP_FACTOR
-    times the group's one factor at a_scale_ptr[group] (b_scale_ptr unused)."""
-    if GROUP_FACTOR:
-        return acc * tl.load(a_scale_ptr + group)
+def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group, GROUP_SCALES: tl.constexpr,
+              A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr):
+    """The fp32 product times the rows' factors of A and of B, in that order. With GROUP_SCALES (1: A's,
+    2: B's, 3: both) times the group's tensor scales instead, each computed here from its buffer
+    [G] as `TensorScale.value` computes it (a scale_inv, or with *_AMAX_MAX NVFP4's 1/S_enc of the
+    global amax), the two multiplied first, as the dense epilogue does (qtensor_kernels/gemm.py)."""
+    if GROUP_SCALES == 1:
+        return acc * _tensor_scale(a_scale_ptr + group, A_AMAX_MAX)
+    if GROUP_SCALES == 2:
+        return acc * _tensor_scale(b_scale_ptr + group, B_AMAX_MAX)
+    if GROUP_SCALES == 3:
+        return acc * (_tensor_scale(a_scale_ptr + group, A_AMAX_MAX) * _tensor_scale(b_scale_ptr + group, B_AMAX_MAX))
     a_scale = tl.load(a_scale_ptr + a_index, mask=a_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + b_index, mask=b_ok, other=0.0)
     return acc * a_scale[:, None] * b_scale[None, :]
@@ -40,7 +48,7 @@ def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group
 def _rows_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K, stride_am, stride_be, stride_bn, stride_om,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
-    GROUP_FACTOR: tl.constexpr,
+    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, column_tile = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
@@ -65,14 +73,15 @@ def _rows_kernel(
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
-    out = _epilogue(acc, a_scale_ptr, offs_m, m_ok, b_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, group, GROUP_FACTOR)
+    out = _epilogue(acc, a_scale_ptr, offs_m, m_ok, b_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _columns_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K, R,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr, GROUP_FACTOR: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr,
+    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr,
 ):
     tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     per_group = tiles_n * tiles_k
@@ -95,46 +104,60 @@ def _columns_kernel(
         a = tl.load(a_rows + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         b = tl.load(b_rows + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
-    out = _epilogue(acc, a_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, b_scale_ptr, group.to(tl.int64) * K + offs_k, k_ok, group, GROUP_FACTOR)
+    out = _epilogue(acc, a_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, b_scale_ptr, group.to(tl.int64) * K + offs_k, k_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     tl.store(out_ptr + group.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :], out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
 # (BLOCK_M or BLOCK_N, BLOCK_N or BLOCK_K, BLOCK_K or BLOCK_R, warps, stages): FP8 by fast
-# accumulation, the fastest of benchmarks/bench_grouped_mm.py --sweep on an H100 at the Qwen3-like
-# shapes; bf16 (its tiles of K half as long, for the same bytes in shared memory).
-TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16": (128, 128, 64, 8, 4)}
+# accumulation, and bf16 by product, the fastest of benchmarks/bench_grouped_mm.py --sweep (--bf16)
+# on an H100 at the Qwen3-like shapes.
+TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16 rows": (128, 256, 64, 8, 3), "bf16 columns": (256, 128, 64, 8, 3)}
 
 
-def _rows(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_factor, tile):
+def _scales(a_scale, b_scale):
+    """(pointer of A's, of B's, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX) of two per-group TensorScales
+    (each [G] and its amax_max, or None; not both)."""
+    mode = (a_scale is not None) + 2 * (b_scale is not None)
+    some = (a_scale or b_scale).tensor
+    return ((a_scale.tensor if a_scale else some), (b_scale.tensor if b_scale else some), mode,
+            (a_scale.amax_max or 0.0) if a_scale else 0.0, (b_scale.amax_max or 0.0) if b_scale else 0.0)
+
+
+def _rows(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile):
     """C [M, N] = rows of group e of A [M, K] times B_eᵀ, B [E, N, K] with K contiguous (any strides
-    along E and N), then the epilogue's factors."""
+    along E and N), then the epilogue's factors (`group_scales`: (GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX))."""
     (m, k), (experts, n, _) = a.shape, b.shape
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, warps, stages = tile
+    mode, a_max, b_max = group_scales
     if m and n:
         grid = ((triton.cdiv(m, block_m) + experts) * triton.cdiv(n, block_n),)
         launch(
             _rows_kernel, grid, a, a_scale, b, b_scale, out, ends, experts, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
             E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            IMPRECISE=imprecise, GROUP_FACTOR=group_factor, num_warps=warps, num_stages=stages,
+            IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max, num_warps=warps, num_stages=stages,
         )
     return out
 
 
-def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_factor, tile):
+def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for row-major A [N, R] and B [K, R], then the
     epilogue's factors; a group with an empty run gets zeros."""
     (n, r), k, experts = a.shape, b.shape[0], ends.shape[0]
     out = torch.empty((experts, n, k), dtype=out_dtype, device=a.device)
     block_n, block_k, block_r, warps, stages = tile
+    mode, a_max, b_max = group_scales
     if experts and n and k:
         grid = (experts * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
         launch(
             _columns_kernel, grid, a, a_scale, b, b_scale, out, ends, n, k, r,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=imprecise, GROUP_FACTOR=group_factor,
+            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max,
             num_warps=warps, num_stages=stages,
         )
     return out
+
+
+_ROW_FACTORS = (0, 0.0, 0.0)
 
 
 def float8_rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None):
@@ -142,27 +165,29 @@ def float8_rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumula
     factors [E, N]), summed on the FP8 tensor cores (promoted to fp32 after each BLOCK_K of the
     reduction unless `fast_accumulation`), times both rows' factors, rounded once to `out_dtype`."""
     tile = tile or TILES[fast_accumulation]
-    return _rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], False, tile)
+    return _rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
 
 
 def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for A [N, R] and B [K, R] (FP8 codes; factors
     per group and row, [E, N] and [E, K]); a group with an empty run gets zeros."""
     tile = tile or TILES[fast_accumulation]
-    return _columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], False, tile)
+    return _columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
 
 
-def bf16_rows(a, b, factor, ends, out_dtype, tile=None):
+def bf16_rows(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
     """C [M, N]: rows of group e of A [M, K] times B_eᵀ (B [E, N, K], K contiguous), bf16 values
-    summed in fp32 on the bf16 tensor cores, times group e's fp32 factor (`factor` [E]), rounded
-    once to `out_dtype`: the epilogue of a tensor scale per group (NVFP4's)."""
-    return _rows(a, factor, b, factor, ends, out_dtype, None, True, tile or TILES["bf16"])
+    summed in fp32 on the bf16 tensor cores, times group e's tensor scales (`a_scale`, `b_scale`:
+    per-group TensorScales, either None), rounded once to `out_dtype`."""
+    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale)
+    return _rows(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 rows"])
 
 
-def bf16_columns(a, b, factor, ends, out_dtype, tile=None):
+def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ of bf16 values (A [N, R], B [K, R], runs of
-    whole 16s), summed in fp32, times group e's factor, rounded once; an empty run gives zeros."""
-    return _columns(a, factor, b, factor, ends, out_dtype, None, True, tile or TILES["bf16"])
+    whole 16s), summed in fp32, times group e's tensor scales, rounded once; an empty run gives zeros."""
+    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale)
+    return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 columns"])
 
 
 # Registered into qtensor's kernel table (qtensor_kernels/__init__.py).

@@ -1,16 +1,18 @@
-"""qtensor's grouped FP8 GEMM kernels (qtensor_kernels/grouped_mm.py) against the float64 product of
-the operands' dequantized values, group by group, held to the bound of Hopper's FP8 accumulation
-(docs/numerics.md, FP8 GEMMs). Skipped without a GPU; run on the device machine."""
+"""qtensor's grouped GEMM kernels (qtensor_kernels/grouped_mm.py) against the float64 product of the
+operands' dequantized values, group by group: the FP8 kernels held to the bound of Hopper's FP8
+accumulation (docs/numerics.md, FP8 GEMMs), the bf16 kernels (each group's factor in the fp32
+epilogue) to fp32 accumulation's. Skipped without a GPU; run on the device machine."""
 
 import numpy as np
 import pytest
 import torch
 
 from qtensor.core.kernels import lookup
+from qtensor.core.storage import TensorScale
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-BOUND = {False: 2.0**-9, True: 2.0**-7}  # split, fast accumulation
+BOUND = {False: 2.0**-9, True: 2.0**-7, "bf16": 2.0**-18}  # split, fast accumulation; fp32 sums of exact bf16 products
 
 
 def fp8_codes(*shape, seed):
@@ -89,3 +91,62 @@ def test_grouped_float8_columns_kernel_reduces_each_groups_run(fast, out_dtype):
         a_e = a[:, start:end].float() * a_scale[expert][:, None]
         b_e = b[:, start:end].float() * b_scale[expert][:, None]
         within(out[expert].float(), a_e, b_e.t(), fast, out_dtype)
+
+
+def bf16_values(*shape, seed):
+    """bf16 values spread over 2**-6 .. 2**6 (exact: the q·s values of NVFP4 copies are such)."""
+    generator = torch.Generator().manual_seed(seed)
+    magnitude = torch.exp2(torch.randint(-6, 6, shape, generator=generator).float())
+    return (torch.randn(*shape, generator=generator) * magnitude).to(torch.bfloat16).cuda()
+
+
+def group_scales(experts, seed, which):
+    """Each group's TensorScales of A and of B (NVFP4's, from global amaxes spread over 2**-8 .. 2**8;
+    with `which` "A" only A's), and the factors the reference multiplies by (TensorScale.value)."""
+    generator = torch.Generator().manual_seed(seed)
+    amax = lambda: (torch.rand(experts, generator=generator) * torch.exp2(torch.randint(-8, 8, (experts,), generator=generator).float())).cuda()
+    a_scale = TensorScale(amax(), 2688.0)
+    b_scale = TensorScale(amax(), 2688.0) if which == "A and B" else None
+    factor = a_scale.value() * (b_scale.value() if b_scale else 1.0)
+    return a_scale, b_scale, factor
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("b_layout", ["[E, N, K]", "[K, E·N]"])
+@pytest.mark.parametrize("which", ["A and B", "A"])
+def test_grouped_bf16_rows_kernel_scales_each_group_by_its_tensor_scales(lengths, out_dtype, b_layout, which):
+    """C[rows of e] = (A[rows of e] · B_eᵀ) times group e's tensor scales (1/S_enc of each operand's
+    global amax, computed in the epilogue) with B a contiguous stack (fprop) or the experts'
+    columns of one [K, E·N] copy (dgrad of a stack cast as one matrix), K = 2048."""
+    lengths = LENGTHS[lengths]
+    experts, k, n = len(lengths), 2048, 144
+    ends = torch.tensor(lengths, device="cuda").cumsum(0).to(torch.int32)
+    a = bf16_values(sum(lengths), k, seed=1)
+    if b_layout == "[E, N, K]":
+        b = bf16_values(experts, n, k, seed=3)
+    else:
+        b = bf16_values(n, experts * k, seed=3).view(n, experts, k).permute(1, 0, 2)  # b[e, n, :] = copy[n, e·K:(e+1)·K]
+    a_scale, b_scale, factor = group_scales(experts, 4, which)
+    out = lookup("grouped_mm.bf16_rows", a)(a, b, a_scale, b_scale, ends, out_dtype)
+    assert out.shape == (sum(lengths), n) and out.dtype == out_dtype
+    for expert, (start, end) in enumerate(zip([0, *ends.tolist()], ends.tolist())):
+        within(out[start:end].float(), a[start:end].float() * factor[expert], b[expert].float().t(), "bf16", out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_bf16_columns_kernel_scales_each_groups_product_by_its_tensor_scales(out_dtype):
+    """C_e = (A[:, run e] · B[:, run e]ᵀ) times group e's tensor scales, over runs of whole 16s,
+    empty runs zero."""
+    runs = (0, 16, 2048, 48, 0, 144, 1024)
+    experts, n, k = len(runs), 80, 96
+    ends = torch.tensor(runs, device="cuda").cumsum(0).to(torch.int32)
+    a, b = bf16_values(n, sum(runs), seed=5), bf16_values(k, sum(runs), seed=6)
+    a_scale, b_scale, factor = group_scales(experts, 7, "A and B")
+    out = lookup("grouped_mm.bf16_columns", a)(a, b, a_scale, b_scale, ends, out_dtype)
+    assert out.shape == (experts, n, k) and out.dtype == out_dtype
+    for expert, (start, end) in enumerate(zip([0, *ends.tolist()], ends.tolist())):
+        if end == start:
+            assert torch.equal(out[expert], torch.zeros_like(out[expert]))
+            continue
+        within(out[expert].float(), a[:, start:end].float() * factor[expert], b[:, start:end].float().t(), "bf16", out_dtype)

@@ -497,7 +497,7 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
                          ids=["groups of 16s", "groups of any size"])
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("accumulation", ["split", "fast"])
-@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8", "float8"])
+@pytest.mark.parametrize("case", ["float8_e4m3", "float8_rowwise", "mxfp8", "nvfp4", "hybrid", "float8"])
 def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumulation):
     """A bf16 stack of ten experts and its input, every dimension a multiple of 32: each GEMM of the
     grouped linear is one grouped GEMM over every group (Float8 on the FP8 tensor cores: qtensor's
@@ -505,9 +505,12 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
     MXFP8: `torch._grouped_mm` over the exact bf16 values; per-tensor Float8 with an E5M2 gradient:
     the forward so, the backward group by group on the FP8 tensor cores, reading each group's slice
     of the grouped casts in place), within the bf16 output's rounding of the oracle's product,
-    group by group."""
-    if case == "mxfp8" and accumulation == "fast":
-        pytest.skip("MXFP8 multiplies its values on the bf16 tensor cores: no FP8 accumulation to choose")
+    group by group. NVFP4 (and the hybrid's NVFP4 copies): qtensor's bf16 grouped GEMMs, each
+    group's tensor scales in the epilogue; the weight gradient checked where a group is whole runs
+    of 16 (the Hadamard transform's padding, as on the CPU)."""
+    blocks = case in ("mxfp8", "nvfp4", "hybrid")
+    if blocks and accumulation == "fast":
+        pytest.skip("The block formats multiply their values on the bf16 tensor cores: no FP8 accumulation to choose")
     experts, k, n, rows = 10, 128, 64, 256
     module = nn.Module()
     module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(torch.bfloat16))
@@ -517,9 +520,9 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
     module.cuda()
     x, grad = varied(rows, k, seed=2).to(torch.bfloat16), varied(rows, n, seed=3).to(torch.bfloat16)
     call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
-    launcher = "_grouped_mm" if case == "mxfp8" else "_scaled_grouped_mm"
+    launcher = "_grouped_mm" if blocks else "_scaled_grouped_mm"
     kernels.registered()
-    names = ("grouped_mm.float8_rows", "grouped_mm.float8_columns")
+    names = ("grouped_mm.bf16_rows", "grouped_mm.bf16_columns") if blocks else ("grouped_mm.float8_rows", "grouped_mm.float8_columns")
     counted = {name: mock.Mock(wraps=kernels.TABLE.eager[name]) for name in names}
     with mock.patch.object(torch, launcher, wraps=getattr(torch, launcher)) as launches, mock.patch.dict(kernels.TABLE.eager, counted):
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
@@ -529,6 +532,10 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
     grouped_backward = case != "float8"  # per-tensor Float8's E5M2 gradient: the backward group by group
     if case == "mxfp8":
         assert (torch_launches, ours) == (3, [0, 0])
+    elif case == "nvfp4":
+        assert (torch_launches, ours) == (0, [2, 1])
+    elif case == "hybrid":  # MXFP8 forward: no tensor scales
+        assert (torch_launches, ours) == (1, [1, 1])
     elif fast:
         assert (torch_launches, ours) == (3 if grouped_backward else 1, [0, 0])
     else:
@@ -541,7 +548,8 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
         xe, ge = x[start:end].float().numpy(), grad[start:end].float().numpy()
         gemm_within(y[start:end], deq["input"](xe, "rowwise"), deq["weight"](w[expert], "rowwise").T, relative=4e-3)
         gemm_within(x_grad[start:end], deq["grad_output"](ge, "rowwise"), deq["weight"](w[expert], "columnwise"), relative=4e-3)
-        gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"), relative=4e-3)
+        if (end - start) % 16 == 0 or case not in ("nvfp4", "hybrid"):
+            gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"), relative=4e-3)
     assert not y[ends[-1]:].any() and not x_grad[ends[-1]:].any()
 
 

@@ -113,9 +113,9 @@ class GroupedCopy(NamedTuple):
     storage: Storage
     group_scales: torch.Tensor | None = None
 
-    def operand(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(bf16 values with the reduction dimension last, each group's fp32 factor [G] or None)."""
+    def operand(self):
+        """(bf16 values with the reduction dimension last, each group's TensorScale over [G] or None)."""
         values, scale = self.storage.bf16_operand()
-        if self.group_scales is None:
-            return values, None if scale is None else scale.value().reshape(1)
-        return values, type(scale)(self.group_scales, scale.amax_max).value()
+        if scale is None:
+            return values, None
+        return values, type(scale)(self.group_scales if self.group_scales is not None else scale.tensor.reshape(1), scale.amax_max)

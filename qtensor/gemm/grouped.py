@@ -142,72 +142,81 @@ def _each_group(out: torch.Tensor, lengths, grouped_rows: bool, product) -> torc
 
 
 # ---- values bf16 holds exactly (MXFP8, NVFP4 less its tensor scales), every group in one launch ----
-def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype, factor: torch.Tensor | None = None) -> torch.Tensor:
+def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype, scales=(None, None)) -> torch.Tensor:
     """`grouped_mm(a, b, offs)` of two operands' dequantized values, the product summed in fp32,
-    times group g's fp32 `factor[g]` where given (the groups' tensor scales), rounded once to
-    `out_dtype`:
+    times group g's tensor scales where given (`scales`: each operand's TensorScale over [G], or
+    over [1] for every group, or None; their values multiplied first, as the dense epilogue does),
+    rounded once to `out_dtype`:
 
         a [M, K], b [E, K, N]   C [M, N]      rows of group e times b_e        (fprop, dgrad)
         a [N, M], b [M, K]      C [E, N, K]   group e's columns times its rows (wgrad)
 
     On the bf16 tensor cores where the values are bf16 (exact: the caller's format holds them so):
-    `torch._grouped_mm` (bf16 out) without factors, qtensor's grouped GEMMs with them
-    (qtensor_kernels/grouped_mm.py: the factor in the fp32 epilogue); else the reference, group by
+    `torch._grouped_mm` (bf16 out) without scales, qtensor's grouped GEMMs with them
+    (qtensor_kernels/grouped_mm.py: the scales in the fp32 epilogue); else the reference, group by
     group in fp32 (torch's CPU grouped GEMM where it takes fp32)."""
     grouped_rows = b.dim() == 3
+    scaled = scales[0] is not None or scales[1] is not None
     on_gpu = a.device.type == "cuda" and a.dtype == b.dtype == torch.bfloat16
-    if on_gpu and factor is None and out_dtype == torch.bfloat16:
+    if on_gpu and not scaled and out_dtype == torch.bfloat16:
         return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
-    kernel = lookup("grouped_mm.bf16_rows" if grouped_rows else "grouped_mm.bf16_columns", a) if on_gpu and factor is not None else None
+    kernel = lookup("grouped_mm.bf16_rows" if grouped_rows else "grouped_mm.bf16_columns", a) if on_gpu and scaled else None
     if kernel is not None:
-        factor = factor.expand(len(lengths)).contiguous()
+        a_scale, b_scale = (_each_group_scale(scale, len(lengths)) for scale in scales)
         if grouped_rows:  # b_e read as [N, K]: K, the reduction, contiguous
             b_nk = b.transpose(-2, -1)
-            return kernel(a.contiguous(), b_nk if b_nk.stride(-1) == 1 else b_nk.contiguous(), factor, offs, out_dtype)
-        return kernel(a.contiguous(), b.t().contiguous(), factor, offs, out_dtype)
+            return kernel(a.contiguous(), b_nk if b_nk.stride(-1) == 1 else b_nk.contiguous(), a_scale, b_scale, offs, out_dtype)
+        return kernel(a.contiguous(), b.t().contiguous(), a_scale, b_scale, offs, out_dtype)
+    factor = _factor(*scales).expand(len(lengths)) if scaled else None
     if a.device.type == "cpu":
         product = torch._grouped_mm(a.float(), b.float(), offs=offs.to(torch.int32))
         if factor is not None:
-            lengths_here = torch.tensor(lengths, device=a.device)
-            factor = factor.expand(len(lengths))
-            product = product * (torch.repeat_interleave(factor, lengths_here)[:, None] if grouped_rows else factor[:, None, None])
+            product = product * (torch.repeat_interleave(factor, torch.tensor(lengths))[:, None] if grouped_rows else factor[:, None, None])
         return product.to(out_dtype)
     from .backends import _finish, _fp32_matmul
 
     def product(group: int, start: int, end: int) -> torch.Tensor:
         a_g, b_g = (a[start:end], b[group]) if grouped_rows else (a[:, start:end], b[start:end])
-        scaled = _fp32_matmul(a_g.float(), b_g.float())
-        return _finish(scaled if factor is None else scaled * factor.expand(len(lengths))[group], None, out_dtype)
+        summed = _fp32_matmul(a_g.float(), b_g.float())
+        return _finish(summed if factor is None else summed * factor[group], None, out_dtype)
 
     shape = (a.shape[0], b.shape[-1]) if grouped_rows else (len(lengths), a.shape[0], b.shape[1])
     return _each_group(a.new_zeros(shape, dtype=out_dtype), lengths, grouped_rows, product)
 
 
-# ---- grouped copies (core/quantizer.GroupedCopy), through `values_nt` -----------------------------
+def _each_group_scale(scale, groups: int):
+    """A TensorScale over [1] (one for every group) as one over [groups]; None stays None."""
+    if scale is None or scale.tensor.numel() == groups:
+        return scale
+    return type(scale)(scale.tensor.expand(groups).contiguous(), scale.amax_max)
+
+
+def _factor(a_scale, b_scale) -> torch.Tensor:
+    """Each group's factor, [G] fp32: the two TensorScales' values multiplied (either may be None)."""
+    if a_scale is None:
+        return b_scale.value()
+    return a_scale.value() if b_scale is None else a_scale.value() * b_scale.value()
+
+
+# ---- grouped copies (core/groups.GroupedCopy), through `values_nt` --------------------------------
 def copies_rows(a, stack, stack_direction: str, experts: int, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
     """C [M, N]: the rows of group e of `a` (the routed rows' rowwise GroupedCopy, [M, K]) times
     expert e of `stack` (a GroupedCopy of the experts' matrices as one [E·R, C]), reduced along the
     copy's blocks: the rowwise copy gives A_e · W_eᵀ (N = R, fprop), the columnwise one A_e · W_e
-    (N = C, dgrad). Each group's factor is the product of the two copies' factors."""
-    a_values, a_factor = a.operand()
-    values, b_factor = stack.operand()  # stored: [E·R, C] rowwise, [C, E·R] columnwise
+    (N = C, dgrad), times group e's tensor scales of both copies."""
+    a_values, a_scale = a.operand()
+    values, b_scale = stack.operand()  # stored: [E·R, C] rowwise, [C, E·R] columnwise
     if stack_direction == "rowwise":
         b = values.view(experts, -1, values.shape[1]).transpose(-2, -1)  # [E, C, R]: W_eᵀ
     else:
         b = values.view(values.shape[0], experts, -1).permute(1, 2, 0)  # [E, R, C]: W_e
-    return values_nt(a_values, b, offs, lengths, out_dtype, _product(a_factor, b_factor))
+    return values_nt(a_values, b, offs, lengths, out_dtype, (a_scale, b_scale))
 
 
 def copies_columns(a, b, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
     """C [E, N, K], C_e = A[run e]ᵀ · B[run e] of the columnwise GroupedCopies of `a` [R, N] and `b`
-    [R, K], each group's run of rows (`offs`, `lengths`) whole blocks (wgrad); an empty run gives
-    zeros. The two copies hold their values in the same reduction transform, which cancels."""
-    (a_values, a_factor), (b_values, b_factor) = a.operand(), b.operand()  # [N, R], [K, R]
-    return values_nt(a_values, b_values.t(), offs, lengths, out_dtype, _product(a_factor, b_factor))
-
-
-def _product(a_factor, b_factor):
-    """The two operands' factors multiplied (fp32, per group), as the dense epilogue does."""
-    if a_factor is None:
-        return b_factor
-    return a_factor if b_factor is None else a_factor * b_factor
+    [R, K], each group's run of rows (`offs`, `lengths`) whole blocks (wgrad), times group e's
+    tensor scales; an empty run gives zeros. The two copies hold their values in the same
+    reduction transform, which cancels."""
+    (a_values, a_scale), (b_values, b_scale) = a.operand(), b.operand()  # [N, R], [K, R]
+    return values_nt(a_values, b_values.t(), offs, lengths, out_dtype, (a_scale, b_scale))
