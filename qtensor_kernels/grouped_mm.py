@@ -81,7 +81,7 @@ def _rows_kernel(
 def _columns_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K, R,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr,
-    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr,
+    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     per_group = tiles_n * tiles_k
@@ -105,6 +105,8 @@ def _columns_kernel(
         b = tl.load(b_rows + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
     out = _epilogue(acc, a_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, b_scale_ptr, group.to(tl.int64) * K + offs_k, k_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
+    if ROUND_BF16:  # rounded to bf16, stored wider (a weight gradient in its parameter's dtype): no pass to convert it
+        out = out.to(tl.bfloat16)
     tl.store(out_ptr + group.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :], out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
@@ -140,11 +142,15 @@ def _rows(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile
     return out
 
 
-def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile):
+def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile, stored_dtype=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for row-major A [N, R] and B [K, R], then the
-    epilogue's factors; a group with an empty run gets zeros."""
+    epilogue's factors, rounded to `out_dtype` and stored as `stored_dtype` (default: the same);
+    a group with an empty run gets zeros."""
     (n, r), k, experts = a.shape, b.shape[0], ends.shape[0]
-    out = torch.empty((experts, n, k), dtype=out_dtype, device=a.device)
+    stored_dtype = stored_dtype or out_dtype
+    if out_dtype not in (stored_dtype, torch.bfloat16):
+        raise ValueError(f"grouped_mm: a product rounded to {out_dtype} is stored in its own dtype, not {stored_dtype}.")
+    out = torch.empty((experts, n, k), dtype=stored_dtype, device=a.device)
     block_n, block_k, block_r, warps, stages = tile
     mode, a_max, b_max = group_scales
     if experts and n and k:
@@ -152,7 +158,7 @@ def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, t
         launch(
             _columns_kernel, grid, a, a_scale, b, b_scale, out, ends, n, k, r,
             BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max,
-            num_warps=warps, num_stages=stages,
+            ROUND_BF16=out_dtype != stored_dtype, num_warps=warps, num_stages=stages,
         )
     return out
 
@@ -168,11 +174,12 @@ def float8_rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumula
     return _rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
 
 
-def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None):
+def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None, stored_dtype=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for A [N, R] and B [K, R] (FP8 codes; factors
-    per group and row, [E, N] and [E, K]); a group with an empty run gets zeros."""
+    per group and row, [E, N] and [E, K]), rounded to `out_dtype`, stored as `stored_dtype` (default:
+    the same); a group with an empty run gets zeros."""
     tile = tile or TILES[fast_accumulation]
-    return _columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
+    return _columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile, stored_dtype)
 
 
 def bf16_rows(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
@@ -183,11 +190,12 @@ def bf16_rows(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
     return _rows(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 rows"])
 
 
-def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
+def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None, stored_dtype=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ of bf16 values (A [N, R], B [K, R], runs of
-    whole 16s), summed in fp32, times group e's tensor scales, rounded once; an empty run gives zeros."""
+    whole 16s), summed in fp32, times group e's tensor scales, rounded once to `out_dtype`, stored
+    as `stored_dtype` (default: the same); an empty run gives zeros."""
     a_ptr, b_ptr, *modes = _scales(a_scale, b_scale)
-    return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 columns"])
+    return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 columns"], stored_dtype)
 
 
 # Registered into qtensor's kernel table (qtensor_kernels/__init__.py).

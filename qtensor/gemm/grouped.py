@@ -35,7 +35,7 @@ def wgrad(out: torch.Tensor, groups, operands, *, fast_accumulation: bool = Fals
 
 
 # ---- FP8 codes with per-row factors (formats/float8_groups.py), every group in one launch ---------
-def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumulation: bool = False) -> torch.Tensor:
+def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumulation: bool = False, stored_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The grouped product C = A · Bᵀ of two `GroupedOperand`s (reduction dimension last),
     each dequantized by its rows' factors, over the groups `a.lengths` gives:
 
@@ -48,11 +48,13 @@ def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumul
     H100 at the Qwen3-like shapes, docs/experts.md) and torch's for fast accumulation. Else group
     by group: FP8 GEMMs with tensor scales where every factor of a group is one scale
     (`tensor_scaled`) and `_scaled_mm` takes the pair, otherwise the reference product of the
-    dequantized values."""
+    dequantized values. The result is rounded to `out_dtype` and returned as `stored_dtype` (a
+    weight gradient in its parameter's dtype), which qtensor's wgrad kernel stores directly."""
+    stored_dtype = stored_dtype or out_dtype
     if _grouped_fp8_fits(a, b, out_dtype):
         kernel = None if fast_accumulation else _float8_kernel(a, b)
         if kernel is not None:
-            return kernel(a, b, out_dtype)
+            return kernel(a, b, out_dtype, stored_dtype).to(stored_dtype)
         # A 2-D operand's factors as one vector (per row; per group and row for wgrad), a stack's [E, N].
         scales = [g.scale_inv.reshape(-1) if g.data.dim() == 2 else g.scale_inv for g in (a, b)]
         product = torch._scaled_grouped_mm(
@@ -61,24 +63,25 @@ def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumul
         )
         if b.data.dim() == 2 and 0 in a.lengths:  # an expert with no rows: its weight gradient is zero
             product.masked_fill_((a.groups.device_lengths == 0)[:, None, None], 0)
-        return product
-    return _scaled_groups(a, b, a.lengths, out_dtype, tensor_scaled, fast_accumulation)
+        return product.to(stored_dtype)
+    return _scaled_groups(a, b, a.lengths, out_dtype, tensor_scaled, fast_accumulation).to(stored_dtype)
 
 
 def _float8_kernel(a, b):
-    """qtensor's split-accumulator grouped FP8 GEMM for the pair, as a function of (a, b, out_dtype);
+    """qtensor's split-accumulator grouped FP8 GEMM for the pair, as a function of (a, b, out_dtype,
+    stored_dtype: where wgrad's kernel stores the rounded product);
     None where it is not registered (no Triton, the reference switch) or a run of wgrad's rows is
     not whole 16s (the kernel reads 16 codes at a time along them)."""
     if b.data.dim() == 3:
         kernel = lookup("grouped_mm.float8_rows", a.data)
-        return None if kernel is None else lambda a, b, out_dtype: kernel(
+        return None if kernel is None else lambda a, b, out_dtype, stored_dtype: kernel(
             a.data, a.scale_inv.reshape(-1), b.data.contiguous(), b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, False
         )
     kernel = lookup("grouped_mm.float8_columns", a.data)
     if kernel is None or any(length % 16 for length in a.lengths):
         return None
-    return lambda a, b, out_dtype: kernel(
-        a.data, a.scale_inv.contiguous(), b.data, b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, False
+    return lambda a, b, out_dtype, stored_dtype: kernel(
+        a.data, a.scale_inv.contiguous(), b.data, b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, False, stored_dtype=stored_dtype
     )
 
 
@@ -142,7 +145,7 @@ def _each_group(out: torch.Tensor, lengths, grouped_rows: bool, product) -> torc
 
 
 # ---- values bf16 holds exactly (MXFP8, NVFP4 less its tensor scales), every group in one launch ----
-def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype, scales=(None, None)) -> torch.Tensor:
+def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype, scales=(None, None), stored_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`grouped_mm(a, b, offs)` of two operands' dequantized values, the product summed in fp32,
     times group g's tensor scales where given (`scales`: each operand's TensorScale over [G], or
     over [1] for every group, or None; their values multiplied first, as the dense epilogue does),
@@ -154,25 +157,27 @@ def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tup
     On the bf16 tensor cores where the values are bf16 (exact: the caller's format holds them so):
     `torch._grouped_mm` (bf16 out) without scales, qtensor's grouped GEMMs with them
     (qtensor_kernels/grouped_mm.py: the scales in the fp32 epilogue); else the reference, group by
-    group in fp32 (torch's CPU grouped GEMM where it takes fp32)."""
+    group in fp32 (torch's CPU grouped GEMM where it takes fp32). Returned as `stored_dtype` (as
+    `scaled_nt`)."""
     grouped_rows = b.dim() == 3
+    stored_dtype = stored_dtype or out_dtype
     scaled = scales[0] is not None or scales[1] is not None
     on_gpu = a.device.type == "cuda" and a.dtype == b.dtype == torch.bfloat16
     if on_gpu and not scaled and out_dtype == torch.bfloat16:
-        return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+        return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16).to(stored_dtype)
     kernel = lookup("grouped_mm.bf16_rows" if grouped_rows else "grouped_mm.bf16_columns", a) if on_gpu and scaled else None
     if kernel is not None:
         a_scale, b_scale = (_each_group_scale(scale, len(lengths)) for scale in scales)
         if grouped_rows:  # b_e read as [N, K]: K, the reduction, contiguous
             b_nk = b.transpose(-2, -1)
             return kernel(a.contiguous(), b_nk if b_nk.stride(-1) == 1 else b_nk.contiguous(), a_scale, b_scale, offs, out_dtype)
-        return kernel(a.contiguous(), b.t().contiguous(), a_scale, b_scale, offs, out_dtype)
+        return kernel(a.contiguous(), b.t().contiguous(), a_scale, b_scale, offs, out_dtype, stored_dtype=stored_dtype)
     factor = _factor(*scales).expand(len(lengths)) if scaled else None
     if a.device.type == "cpu":
         product = torch._grouped_mm(a.float(), b.float(), offs=offs.to(torch.int32))
         if factor is not None:
             product = product * (torch.repeat_interleave(factor, torch.tensor(lengths))[:, None] if grouped_rows else factor[:, None, None])
-        return product.to(out_dtype)
+        return product.to(out_dtype).to(stored_dtype)
     from .backends import _finish, _fp32_matmul
 
     def product(group: int, start: int, end: int) -> torch.Tensor:
@@ -181,13 +186,14 @@ def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tup
         return _finish(summed if factor is None else summed * factor[group], None, out_dtype)
 
     shape = (a.shape[0], b.shape[-1]) if grouped_rows else (len(lengths), a.shape[0], b.shape[1])
-    return _each_group(a.new_zeros(shape, dtype=out_dtype), lengths, grouped_rows, product)
+    return _each_group(a.new_zeros(shape, dtype=out_dtype), lengths, grouped_rows, product).to(stored_dtype)
 
 
 def _each_group_scale(scale, groups: int):
     """A TensorScale over [1] (one for every group) as one over [groups]; None stays None."""
-    if scale is None or scale.tensor.numel() == groups:
+    if scale is None or (scale.tensor.numel() == groups and scale.tensor.is_contiguous()):
         return scale
+    # (a held stack's per-expert scales are a strided view of its stacked buffer: the kernel reads them packed)
     return type(scale)(scale.tensor.expand(groups).contiguous(), scale.amax_max)
 
 
@@ -213,10 +219,10 @@ def copies_rows(a, stack, stack_direction: str, experts: int, offs: torch.Tensor
     return values_nt(a_values, b, offs, lengths, out_dtype, (a_scale, b_scale))
 
 
-def copies_columns(a, b, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+def copies_columns(a, b, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype, stored_dtype: torch.dtype | None = None) -> torch.Tensor:
     """C [E, N, K], C_e = A[run e]ᵀ · B[run e] of the columnwise GroupedCopies of `a` [R, N] and `b`
     [R, K], each group's run of rows (`offs`, `lengths`) whole blocks (wgrad), times group e's
     tensor scales; an empty run gives zeros. The two copies hold their values in the same
-    reduction transform, which cancels."""
+    reduction transform, which cancels. Returned as `stored_dtype` (as `scaled_nt`)."""
     (a_values, a_scale), (b_values, b_scale) = a.operand(), b.operand()  # [N, R], [K, R]
-    return values_nt(a_values, b_values.t(), offs, lengths, out_dtype, (a_scale, b_scale))
+    return values_nt(a_values, b_values.t(), offs, lengths, out_dtype, (a_scale, b_scale), stored_dtype)

@@ -148,8 +148,8 @@ class GroupedFloat8Function(torch.autograd.Function):
         if weight_needs_grad:
             x_col = GroupedOperand(x_data, x_scale_inv, ctx.x_groups, padded=True)
             tensor_scaled = _tensor_scaled(linear.grad_output, linear.input)
-            grad_stack = gemm.grouped.scaled_nt(g_col, x_col, wgrad_dtype, tensor_scaled=tensor_scaled, fast_accumulation=fast)
-            grad_stack = grad_stack.to(stack_dtype)  # [experts, out, in]
+            # [experts, out, in], rounded as wgrad_dtype, in the stack's dtype
+            grad_stack = gemm.grouped.scaled_nt(g_col, x_col, wgrad_dtype, tensor_scaled=tensor_scaled, fast_accumulation=fast, stored_dtype=stack_dtype)
             grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
         return grad_x, grad_stack, None, None, None, None
 
@@ -208,7 +208,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
             grad_x = gemm.grouped.copies_rows(g_row, w_col, "columnwise", experts, groups.offsets(False), groups.lengths, x_dtype)
             grad_x = _rows_past_end_zero(grad_x, x_shape[0])
         if weight_needs_grad:
-            grad_stack = gemm.grouped.copies_columns(g_col, x_col, padded.offsets(True), padded.padded, wgrad_dtype).to(stack_dtype)  # [experts, out, in]
+            grad_stack = gemm.grouped.copies_columns(g_col, x_col, padded.offsets(True), padded.padded, wgrad_dtype, stack_dtype)  # [experts, out, in]
             grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
         return grad_x, grad_stack, None, None, None, None
 
