@@ -26,7 +26,7 @@ def _cast_kernel(
 ):
     rows, cols, x = nvfp4._load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
     mxfp8._quantize_rows(x, rows, cols, tl.program_id(1), row_data_ptr, row_codes_ptr, M, N, 16, BLOCK_N, FP8_MAX, EMAX, E5M2, RCEIL)
-    nvfp4._cast_columns(x, col_amax_ptr, keys_ptr + 2, tl.program_id(0) * 8, (col_length + 1) // 2, cols, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE)
+    nvfp4._cast_columns(x, col_amax_ptr, keys_ptr + 2, tl.program_id(0) * 8, (col_length + 1) // 2, cols, col_data_ptr, col_scale_ptr, col_data_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE, False)
 
 
 _CAST_TILE = (4, 8)  # (warps, bytes per thread and row), as nvfp4's: benchmarks/sweep_cast.py --nvfp4 on an H200

@@ -60,6 +60,14 @@ def _e4m3_value(code):
 
 
 @triton.jit
+def _code_values(codes):
+    """The fp32 values of E2M1 codes (int32, sign in bit 3): the magnitude bits at fp32's bits 22-24
+    make q * 2**-126 (E2M1's exponent bias is 1; 0.5 lands on the subnormal 2**-127), the sign bit
+    at bit 31 (-0 for code 8)."""
+    return (((codes & 7) << 22) | ((codes & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
+
+
+@triton.jit
 def _e2m1_nearest(magnitude):
     """nvfp4.e2m1_codes_nearest without the sign, for magnitudes of blocks without NaN (the caller
     zeroes a NaN block's codes), in floating-point arithmetic rather than comparisons: adding and
@@ -177,10 +185,16 @@ def _load_tile(x_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, N, BLOCK_N: tl.constexpr, INT32: tl.constexpr):
+def _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N: tl.constexpr, INT32: tl.constexpr, VALUES: tl.constexpr):
     """The rowwise codes [16, BLOCK_N] of a tile into rows `rows` (those where `row_ok`) of data
-    [M, ceil(N/2)] (as int32 [M, N/8] with INT32), its scale codes [16, BLOCK_N/16] into scale [M, ceil(N/16)]."""
+    [M, ceil(N/2)] (as int32 [M, N/8] with INT32), its scale codes [16, BLOCK_N/16] into scale
+    [M, ceil(N/16)]; with VALUES also their values q · float(s) into values [M, N] (bf16 holds
+    them exactly: the dequantize kernel's, without the tensor scale)."""
     inside = row_ok[:, None]
+    if VALUES:
+        q = tl.reshape(_code_values(codes), (16, BLOCK_N // 16, 16)) * _e4m3_value(scale_code)[:, :, None]
+        value_cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(values_ptr + rows[:, None] * N + value_cols[None, :], tl.reshape(q, (16, BLOCK_N)).to(values_ptr.dtype.element_ty), mask=inside & (value_cols[None, :] < N))
     if INT32:  # 8 codes (one thread's) per word, element 8w + i in nibble i
         words = tl.sum(tl.reshape(codes, (16, BLOCK_N // 8, 8)) << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
         word_cols = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
@@ -196,11 +210,15 @@ def _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, N, BLOCK_N
 
 
 @triton.jit
-def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, INT32: tl.constexpr):
+def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr, INT32: tl.constexpr, VALUES: tl.constexpr):
     """The columnwise codes [16, BLOCK_N] of a tile (column n is row n of the stored matrix) into
     data [N, ceil(length/2)] (int32 [N, length/8] with INT32), its scale codes [BLOCK_N] into
-    scale [N, ceil(length/16)]."""
+    scale [N, ceil(length/16)]; with VALUES also their values into values [N, length] (as _store_rows)."""
     inside = cols[None, :] < N
+    if VALUES:
+        q = _code_values(codes) * _e4m3_value(scale_code)[None, :]
+        runs = tl.program_id(0).to(tl.int64) * 16 + tl.arange(0, 16)
+        tl.store(values_ptr + cols[None, :] * length + runs[:, None], q.to(values_ptr.dtype.element_ty), mask=inside & (runs[:, None] < length))
     if INT32:  # rows 8h..8h+7 of a column in word h
         words = tl.sum(tl.reshape(codes, (2, 8, BLOCK_N)) << (tl.arange(0, 8) * 4)[None, :, None], axis=1)
         halves = tl.program_id(0) * 2 + tl.arange(0, 2)
@@ -214,7 +232,7 @@ def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, N, length, BLOC
 
 
 @triton.jit
-def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, draw_rows, rows, row_ok, data_ptr, scale_ptr, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
+def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, draw_rows, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
     """The rowwise copy of the tile x [16, BLOCK_N], blocks of 16 along each row with amaxes
     `amax` [16, BLOCK_N/16] (see _store_rows); the rows draw as rows `draw_rows` of the cast."""
     scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
@@ -226,11 +244,11 @@ def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, draw_rows, rows, row_ok, data_p
         draws = tl.reshape(tl.join(first, second), (16, BLOCK_N))
     codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), draws, STOCHASTIC)
     codes = tl.reshape(tl.where((scale_code == _E4M3_NAN)[:, :, None], 0, tl.reshape(codes, (16, BLOCK_N // 16, 16))), (16, BLOCK_N))
-    _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, N, BLOCK_N, INT32)
+    _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N, INT32, VALUES)
 
 
 @triton.jit
-def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
+def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N], one block down each column with amax
     `amax` [BLOCK_N] (see _store_columns); its pairs of rows draw as pairs pair_base.. of rows of
     `pairs_per_row` pairs."""
@@ -242,7 +260,7 @@ def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, pair_base, pairs_per_row, co
         draws = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (16, BLOCK_N))
     codes = _e2m1_codes(x * encode[None, :], draws, STOCHASTIC)
     codes = tl.where((scale_code == _E4M3_NAN)[None, :], 0, codes)
-    _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, N, length, BLOCK_N, INT32)
+    _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N, INT32, VALUES)
 
 
 @triton.jit
@@ -254,9 +272,9 @@ def _quantize_tiles(x, s_enc_ptr, rows, row_ok, cols, row_data_ptr, row_scale_pt
     encode_cols = tl.reshape(tl.broadcast_to(encode[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     nan_cols = tl.reshape(tl.broadcast_to((scale_code == _E4M3_NAN)[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     codes = tl.where(nan_cols[None, :], 0, _e2m1_codes(x * encode_cols[None, :], x, False))
-    _store_rows(codes, tl.broadcast_to(scale_code[None, :], (16, BLOCK_N // 16)), rows, row_ok, row_data_ptr, row_scale_ptr, N, BLOCK_N, ROW_INT32)
+    _store_rows(codes, tl.broadcast_to(scale_code[None, :], (16, BLOCK_N // 16)), rows, row_ok, row_data_ptr, row_scale_ptr, row_data_ptr, N, BLOCK_N, ROW_INT32, False)
     scale_cols = tl.reshape(tl.broadcast_to(scale_code[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
-    _store_columns(codes, scale_cols, cols, col_data_ptr, col_scale_ptr, N, length, BLOCK_N, COL_INT32)
+    _store_columns(codes, scale_cols, cols, col_data_ptr, col_scale_ptr, col_data_ptr, N, length, BLOCK_N, COL_INT32, False)
 
 
 @triton.jit
@@ -266,8 +284,8 @@ def _tile_amaxes(x, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _cast_columns(x, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, N, length, BLOCK_N: tl.constexpr,
-                  BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr):
+def _cast_columns(x, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr,
+                  BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N] (after the transform with RHT), one block
     down each column, in one thread's registers."""
     if BLOCK_2D:
@@ -276,7 +294,7 @@ def _cast_columns(x, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_pt
         x = _hadamard_columns(x, BLOCK_N)
     if not BLOCK_2D:
         amax = _block_amax(tl.abs(x), 0)
-    _quantize_columns(x, amax, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, N, length, BLOCK_N, STOCHASTIC, INT32, WIDE)
+    _quantize_columns(x, amax, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N, STOCHASTIC, INT32, WIDE, VALUES)
 
 
 @triton.jit
@@ -289,22 +307,24 @@ def _cast_kernel(
     rows, cols, x = _load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
     _cast_tile(
         x, rows, rows, rows < M, cols, row_amax_ptr, col_amax_ptr, keys_ptr, tl.program_id(0) * 8, (col_length + 1) // 2,
-        row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length,
-        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N,
+        row_data_ptr, row_scale_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, col_data_ptr, N, col_length,
+        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N, False, False,
     )
 
 
 @triton.jit
 def _cast_tile(
     x, draw_rows, rows, row_ok, cols, row_amax_ptr, col_amax_ptr, keys_ptr, pair_base, pairs_per_row,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length,
+    row_data_ptr, row_scale_ptr, row_values_ptr, col_data_ptr, col_scale_ptr, col_values_ptr, N, col_length,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
     STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr,
 ):
     """Both copies of the tile x [16, BLOCK_N]: its rowwise codes into rows `rows` (where `row_ok`),
     drawing as rows `draw_rows`; its columnwise codes into run program_id(0) of the stored rows,
-    drawing as pairs pair_base.. of rows of `pairs_per_row` pairs."""
-    if BLOCK_2D and ROWWISE and COLUMNWISE and not STOCHASTIC:  # one code per element serves both
+    drawing as pairs pair_base.. of rows of `pairs_per_row` pairs; with *_VALUES each copy's
+    values too (_store_rows, _store_columns)."""
+    if BLOCK_2D and ROWWISE and COLUMNWISE and not STOCHASTIC and not ROW_VALUES and not COL_VALUES:  # one code per element serves both
         _quantize_tiles(x, row_amax_ptr, rows, row_ok, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, ROW_INT32, COL_INT32)
     else:
         if ROWWISE:  # blocks of 16 along each row: VEC elements in each of 16/VEC adjacent threads
@@ -312,11 +332,11 @@ def _cast_tile(
                 amax = tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[None, :], (16, BLOCK_N // 16))
             else:
                 amax = _block_amax(tl.reshape(tl.abs(x), (16, BLOCK_N // 16, 16)), 2)
-            _quantize_rows(x, amax, row_amax_ptr, keys_ptr, draw_rows, rows, row_ok, row_data_ptr, row_scale_ptr, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE)
+            _quantize_rows(x, amax, row_amax_ptr, keys_ptr, draw_rows, rows, row_ok, row_data_ptr, row_scale_ptr, row_values_ptr, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE, ROW_VALUES)
         if COLUMNWISE:
             _cast_columns(
-                x, col_amax_ptr, keys_ptr + 2, pair_base, pairs_per_row, cols, col_data_ptr, col_scale_ptr, N, col_length,
-                BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE,
+                x, col_amax_ptr, keys_ptr + 2, pair_base, pairs_per_row, cols, col_data_ptr, col_scale_ptr, col_values_ptr, N, col_length,
+                BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE, COL_VALUES,
             )
 
 
@@ -414,9 +434,7 @@ def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCAL
     else:
         packed = tl.load(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes), other=0).to(tl.int32)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_C))
-    # The code's magnitude bits at fp32's bits 22-24 make q * 2**-126 (E2M1's exponent bias is 1;
-    # 0.5 lands on the subnormal 2**-127), its sign bit at bit 31: -0 for code 8.
-    q = (((codes & 7) << 22) | ((codes & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
+    q = _code_values(codes)
     scale_codes = tl.load(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], mask=block_mask, other=0)
     scale = _e4m3_value(scale_codes.to(tl.int32))
     values = tl.reshape(tl.reshape(q, (BLOCK_R, BLOCK_C // 16, 16)) * scale[:, :, None], (BLOCK_R, BLOCK_C))

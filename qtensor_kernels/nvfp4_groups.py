@@ -70,9 +70,10 @@ def _amaxes_kernel(x_ptr, N, stride_m, ends_ptr, G, amax_ptr, TRANSFORMED: tl.co
 @triton.jit
 def _cast_kernel(
     x_ptr, N, stride_m, ends_ptr, G, row_amax_ptr, col_amax_ptr, keys_ptr,
-    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, col_length,
+    row_data_ptr, row_scale_ptr, row_values_ptr, col_data_ptr, col_scale_ptr, col_values_ptr, col_length,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr,
     ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, G_POW2: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
+    ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr,
 ):
     group, start, length, tile = _tile_of_group(ends_ptr, G, G_POW2)
     if group >= G:
@@ -82,8 +83,8 @@ def _cast_kernel(
     stored = (length + 15) // 16 * 16 if RHT else length
     nvfp4._cast_tile(
         x, in_group, rows, row_ok, cols, row_amax_ptr + group, col_amax_ptr + group, keys_ptr + group * 4, tile * 8,
-        ((stored + 1) // 2).to(tl.int32), row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length,
-        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N,
+        ((stored + 1) // 2).to(tl.int32), row_data_ptr, row_scale_ptr, row_values_ptr, col_data_ptr, col_scale_ptr, col_values_ptr, N, col_length,
+        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N, ROW_VALUES, COL_VALUES,
     )
 
 
@@ -109,12 +110,14 @@ def amaxes(x: torch.Tensor, ends: torch.Tensor, lengths: tuple[int, ...], transf
     return out
 
 
-def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_2d, rht, tile=None):
-    """((rowwise data, scales) or None, (columnwise data, scales) or None) of the routed rows `x`
-    [M, N] (M the groups' rows) in `lengths` (their `ends` on the device), each group at its
-    global amax (`row_amax`, `col_amax` [G]) and, given `keys` [G, 4], with its own keys: the
-    rowwise copy as NVFP4Storage lays out [M, N], the columnwise copy as it lays out the groups'
-    rows each run on to a multiple of 16 ([16 · runs, N])."""
+def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_2d, rht, values=(False, False), tile=None):
+    """((rowwise data, scales[, values]) or None, (columnwise data, scales[, values]) or None) of the
+    routed rows `x` [M, N] (M the groups' rows) in `lengths` (their `ends` on the device), each
+    group at its global amax (`row_amax`, `col_amax` [G]) and, given `keys` [G, 4], with its own
+    keys: the rowwise copy as NVFP4Storage lays out [M, N], the columnwise copy as it lays out the
+    groups' rows each run on to a multiple of 16 ([16 · runs, N]); where `values` asks (rowwise,
+    columnwise) a copy also comes with its bf16 values q · float(s), [M, N] or [N, 16 · runs]
+    (bf16_operand's, written by the cast instead of a dequantize pass after it)."""
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -122,6 +125,8 @@ def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_
     col_length = 16 * runs
     row = NVFP4Storage.empty_buffers(("data", "scale_inv"), "rowwise", M, N, x.device, rht=rht) if rowwise else None
     col = NVFP4Storage.empty_buffers(("data", "scale_inv"), "columnwise", col_length, N, x.device, rht=rht) if columnwise else None
+    row_values = torch.empty((M, N), dtype=torch.bfloat16, device=x.device) if rowwise and values[0] else None
+    col_values = torch.empty((N, col_length), dtype=torch.bfloat16, device=x.device) if columnwise and values[1] else None
     if runs and N:
         block_n, vec, warps = nvfp4._tile_columns(x, tile or nvfp4._CAST_TILE["nearest" if keys is None else "stochastic"])
         some = row or col  # stands in for the absent direction, whose pointers the kernel never uses
@@ -130,12 +135,15 @@ def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_
         launch(
             _cast_kernel, (runs, triton.cdiv(N, block_n)),
             x, N, x.stride(0), ends, len(lengths), row_amax, col_amax, keys if keys is not None else row_amax,
-            *(nvfp4._kernel_view(row, N) if row else some), *(nvfp4._kernel_view(col, col_length) if col else some), col_length,
+            *(nvfp4._kernel_view(row, N) if row else some), row_values if row_values is not None else some[0],
+            *(nvfp4._kernel_view(col, col_length) if col else some), col_values if col_values is not None else some[0], col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
             ROW_INT32=N % 8 == 0, COL_INT32=col_length % 8 == 0, WIDE=nvfp4._wide_pairs(longest, N, -(-longest // 16) * 16),
-            G_POW2=triton.next_power_of_2(len(lengths)), BLOCK_N=block_n, VEC=vec, num_warps=warps, enable_fp_fusion=False,
+            G_POW2=triton.next_power_of_2(len(lengths)), BLOCK_N=block_n, VEC=vec, ROW_VALUES=row_values is not None, COL_VALUES=col_values is not None,
+            num_warps=warps, enable_fp_fusion=False,
         )
-    return row, col
+    with_values = lambda copy, made: None if copy is None else (*copy, made) if made is not None else copy
+    return with_values(row, row_values), with_values(col, col_values)
 
 
 # Registered into qtensor's kernel table (qtensor_kernels/__init__.py).

@@ -35,7 +35,10 @@ def assert_each_group_is_its_own_cast(quantizer, x, lengths, keys):
     ends = torch.tensor(lengths, device=x.device).cumsum(0)
     groups = RowGroups(lengths, ends, align=16)
     with mock.patch.object(torch, "randint", return_value=keys):
-        row, col = quantizer.quantize_padded_groups(x, groups, True, True)
+        row, col = quantizer.quantize_padded_groups(x, groups, True, True, (True, True))
+    for copy in (row, col):  # values the GPU's cast writes beside the codes: the codes' bf16 operand, bit for bit
+        if x.device.type == "cuda":
+            assert copy.values is not None and torch.equal(copy.values.view(torch.int16), copy.storage.bf16_operand()[0].view(torch.int16))
     row_data, row_scales = row.storage.data, row.storage.scale_inv
     col_data, col_scales = col.storage.data, col.storage.scale_inv
     start = run = 0

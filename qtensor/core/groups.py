@@ -112,10 +112,14 @@ class GroupedCopy(NamedTuple):
 
     storage: Storage
     group_scales: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # the bf16 operand's values, where the cast wrote them with the codes
 
     def operand(self):
         """(bf16 values with the reduction dimension last, each group's TensorScale over [G] or None)."""
-        values, scale = self.storage.bf16_operand()
+        if self.values is not None:
+            values, scale = self.values, self.storage.tensor_scale()
+        else:
+            values, scale = self.storage.bf16_operand()
         if scale is None:
             return values, None
         return values, type(scale)(self.group_scales if self.group_scales is not None else scale.tensor.reshape(1), scale.amax_max)

@@ -167,12 +167,14 @@ class Quantizer:
         over (Storage.reduction_transform): two operands multiply only in the same one."""
         return None
 
-    def quantize_padded_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
+    def quantize_padded_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool, values=(False, False)):
         """(rowwise, columnwise) GroupedCopy of the routed rows `x` [M, K], each of the `groups`
         given the codes and scales of its own cast (the columnwise copy over the groups' rows run on
-        to multiples of `groups.align` with zero rows), for a format with `group_block_rows`. Here a
-        format without a tensor-wide scale: a row's codes do not depend on its group, so the rows
-        are cast as one tensor, and their columnwise copy as one from the padded rows."""
+        to multiples of `groups.align` with zero rows), for a format with `group_block_rows`;
+        `values` (rowwise, columnwise): copies a GEMM multiplies at once, whose bf16 values a cast
+        may write beside the codes. Here a format without a tensor-wide scale: a row's codes do not
+        depend on its group, so the rows are cast as one tensor, and their columnwise copy as one
+        from the padded rows."""
         if groups.padded == groups.lengths and rowwise and columnwise:  # both copies from one cast
             both = self.quantize(x, rowwise=True, columnwise=True)
             return GroupedCopy(both.rowwise), GroupedCopy(both.columnwise)

@@ -94,9 +94,9 @@ class HybridQuantizer(Quantizer):
     def reduction_transform(self, direction):
         return getattr(self, direction).reduction_transform(direction)
 
-    def quantize_padded_groups(self, x, groups, rowwise, columnwise):
-        row = self.rowwise.quantize_padded_groups(x, groups, True, False)[0] if rowwise else None
-        col = self.columnwise.quantize_padded_groups(x, groups, False, True)[1] if columnwise else None
+    def quantize_padded_groups(self, x, groups, rowwise, columnwise, values=(False, False)):
+        row = self.rowwise.quantize_padded_groups(x, groups, True, False, values)[0] if rowwise else None
+        col = self.columnwise.quantize_padded_groups(x, groups, False, True, values)[1] if columnwise else None
         return row, col
 
     def move_state(self, device) -> None:

@@ -395,11 +395,11 @@ class NVFP4Quantizer(Quantizer):
     def reduction_transform(self, direction):
         return "rht" if direction == "columnwise" and self.rht else None
 
-    def quantize_padded_groups(self, x, groups, rowwise, columnwise):
+    def quantize_padded_groups(self, x, groups, rowwise, columnwise, values=(False, False)):
         keys = None
         if self.stochastic_rounding:  # each group's own keys, from one draw
             keys = torch.randint(0, 2**32, (len(groups.lengths), 4), generator=self._generator(x.device), device=x.device, dtype=torch.int64)
-        return cast_groups(self, x, groups, rowwise, columnwise, keys)
+        return cast_groups(self, x, groups, rowwise, columnwise, keys, values)
 
     def _amaxes(self, x, columnwise):
         """The global amax of `x` and that of the columnwise copy (of the transformed values with `rht`),

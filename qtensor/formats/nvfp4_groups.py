@@ -29,9 +29,11 @@ from ..core.groups import GroupedCopy, RowGroups
 BLOCK_SIZE = 16  # nvfp4.BLOCK_SIZE: the quantizer's storages (`quantizer.storage_class`) lay out blocks of 16
 
 
-def cast_groups(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool, keys: torch.Tensor | None = None):
+def cast_groups(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool, keys: torch.Tensor | None = None, values=(False, False)):
     """(rowwise, columnwise) `GroupedCopy` of `x` [M, K] (M the groups' rows) under the NVFP4
-    `quantizer`, each group cast as its own cast (with `keys` [G, 4] its stochastic-rounding keys)."""
+    `quantizer`, each group cast as its own cast (with `keys` [G, 4] its stochastic-rounding keys);
+    on a GPU the copies `values` asks for (rowwise, columnwise) come with their bf16 values,
+    written by the cast."""
     if columnwise and groups.align != BLOCK_SIZE:
         raise ValueError(f"NVFP4's grouped columnwise copy runs each group on to a multiple of {BLOCK_SIZE} rows, not {groups.align}.")
     kernel = lookup("nvfp4_groups.cast", x)
@@ -39,17 +41,19 @@ def cast_groups(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, co
         transformed = quantizer.rht and columnwise
         amaxes = lookup("nvfp4_groups.amaxes", x)(x, groups.ends, groups.lengths, transformed)
         row_amax, col_amax = amaxes[0], amaxes[1] if transformed else amaxes[0]
-        row, col = kernel(x, groups.ends, groups.lengths, row_amax, col_amax, keys, rowwise, columnwise, quantizer.block_2d, quantizer.rht)
+        row, col = kernel(x, groups.ends, groups.lengths, row_amax, col_amax, keys, rowwise, columnwise, quantizer.block_2d, quantizer.rht, values)
     else:
         row, col, row_amax, col_amax = _cast_each(quantizer, x, groups.lengths, rowwise, columnwise, keys)
     runs = sum(-(-n // BLOCK_SIZE) for n in groups.lengths)
     # The storages' own global amax is never read (each group's factor comes from group_scales): NaN,
     # so that a misuse shows.
     unused = torch.full((), float("nan"), device=x.device)
-    storage = lambda direction, rows, buffers: quantizer._storage(direction, (rows, x.shape[1]), *buffers, unused)
+    copy = lambda direction, rows, buffers, amax: GroupedCopy(
+        quantizer._storage(direction, (rows, x.shape[1]), buffers[0], buffers[1], unused), amax, buffers[2] if len(buffers) > 2 else None
+    )
     return (
-        GroupedCopy(storage("rowwise", x.shape[0], row), row_amax) if rowwise else None,
-        GroupedCopy(storage("columnwise", BLOCK_SIZE * runs, col), col_amax) if columnwise else None,
+        copy("rowwise", x.shape[0], row, row_amax) if rowwise else None,
+        copy("columnwise", BLOCK_SIZE * runs, col, col_amax) if columnwise else None,
     )
 
 

@@ -174,11 +174,14 @@ class PaddedGroupsFunction(torch.autograd.Function):
         input_needs_grad, weight_needs_grad = needs_grad
         rows = x[: sum(groups.lengths)]
         experts, n, k = stack.shape[0], stack.shape[-1] if in_out else stack.shape[-2], stack.shape[-2] if in_out else stack.shape[-1]
-        x_row, x_col = linear.input.quantize_padded_groups(rows, _aligned(groups, linear), True, weight_needs_grad)
+        # The copies multiplied at once come with their values (a cast may write them beside the codes).
+        x_row, x_col = linear.input.quantize_padded_groups(rows, _aligned(groups, linear), True, weight_needs_grad, (True, False))
         if stack.quantized_at_use:
             values = stack.plain()
             weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
-            w_row, w_col = linear.weight.quantize_padded_groups(weights.reshape(experts * n, k), _experts(linear, experts, n, x.device), True, input_needs_grad)
+            w_row, w_col = linear.weight.quantize_padded_groups(
+                weights.reshape(experts * n, k), _experts(linear, experts, n, x.device), True, input_needs_grad, (True, False)
+            )
         else:  # the experts' casts in place, each direction as one [E·N, K] copy over the stack's bytes
             w_row, w_col = stack.grouped_copy("rowwise"), stack.grouped_copy("columnwise") if input_needs_grad else None
         out_dtype = _output_dtype(x, stack)
@@ -202,7 +205,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         x_col, w_col = _unpack_copy(saved[:x_count], x_rebuild), _unpack_copy(saved[x_count:], w_rebuild)
         padded = _aligned(groups, linear)
-        g_row, g_col = linear.grad_output.quantize_padded_groups(grad_out[: sum(groups.lengths)], padded, input_needs_grad, weight_needs_grad)
+        g_row, g_col = linear.grad_output.quantize_padded_groups(grad_out[: sum(groups.lengths)], padded, input_needs_grad, weight_needs_grad, (True, True))
         grad_x = grad_stack = None
         if input_needs_grad:
             grad_x = gemm.grouped.copies_rows(g_row, w_col, "columnwise", experts, groups.offsets(False), groups.lengths, x_dtype)
