@@ -112,7 +112,9 @@ class GroupedCopy(NamedTuple):
 
     storage: Storage
     group_scales: torch.Tensor | None = None
-    values: torch.Tensor | None = None  # the bf16 operand's values, where the cast wrote them with the codes
+    # The bf16 operand's values, where the cast wrote them beside the codes (NVFP4's: its storage
+    # then gives the tensor scale, `tensor_scale()`, without a dequantize pass).
+    values: torch.Tensor | None = None
 
     def operand(self):
         """(bf16 values with the reduction dimension last, each group's TensorScale over [G] or None)."""

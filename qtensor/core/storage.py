@@ -225,10 +225,6 @@ class Storage:
         the GEMM's fp32 result, or None); None for a format without such a form."""
         return None
 
-    def tensor_scale(self) -> "TensorScale | None":
-        """The TensorScale `bf16_operand` gives, without making the operand (None: no tensor scale)."""
-        return None
-
     def fp8_tensorwise_operand(self) -> "FP8TensorwiseOperand | None":
         """This storage as an operand of an FP8 GEMM with one scale per tensor, or None for a format
         without such a form. Asked for even where the device has no FP8 GEMM (gemm.py: an exclusive
