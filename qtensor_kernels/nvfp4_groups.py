@@ -128,7 +128,12 @@ def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_
     row_values = torch.empty((M, N), dtype=torch.bfloat16, device=x.device) if rowwise and values[0] else None
     col_values = torch.empty((N, col_length), dtype=torch.bfloat16, device=x.device) if columnwise and values[1] else None
     if runs and N:
-        block_n, vec, warps = nvfp4._tile_columns(x, tile or nvfp4._CAST_TILE["nearest" if keys is None else "stochastic"])
+        warps, row_bytes = tile or nvfp4._CAST_TILE["nearest" if keys is None else "stochastic"]
+        if all(values):
+            # Writing both copies' values, with 2 columns a thread Triton 3.6 compiled the 1x16 cast's
+            # codes wrong on an H100 (fp32 and bf16 inputs); with 4 they are right (tests/test_nvfp4_groups.py).
+            row_bytes = max(row_bytes, 4 * x.element_size())
+        block_n, vec, warps = nvfp4._tile_columns(x, (warps, row_bytes))
         some = row or col  # stands in for the absent direction, whose pointers the kernel never uses
         some = (some[0], some[1].view(torch.uint8))
         longest = max(lengths)
