@@ -556,15 +556,17 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stack_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weights", WEIGHTS)
-def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights):
+def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights, stack_dtype):
     """`Recipe(..., backward_fast_accumulation=True)` on a row-wise Float8 stack: dgrad and wgrad
     launch torch's grouped GEMM with fast accumulation (fprop keeps the split accumulator, qtensor's
-    grouped kernel), and each stays within its bound (2**-7 of |A|·|B|, plus the
-    bf16 output's rounding) of the oracle's product."""
+    grouped kernel), but an fp32 stack's wgrad runs qtensor's kernel with fast accumulation, which
+    stores the bf16-rounded gradient in fp32 at once; each stays within its bound (2**-7 of
+    |A|·|B|, plus the bf16 output's rounding) of the oracle's product."""
     experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
     module = nn.Module()
-    module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(torch.bfloat16))
+    module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(stack_dtype))
     w = [module.weight_stack[e].detach().float().numpy() for e in range(experts)]
     qtensor.quantize_(module, qtensor.Recipe(factory_for("float8_rowwise"), backward_fast_accumulation=True), weights=weights)
     module.cuda()
@@ -572,11 +574,15 @@ def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights):
     call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
     kernels.registered()
     split_fprop = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.float8_rows"])
+    wgrad = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.float8_columns"])
     with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches, \
-            mock.patch.dict(kernels.TABLE.eager, {"grouped_mm.float8_rows": split_fprop}):
+            mock.patch.dict(kernels.TABLE.eager, {"grouped_mm.float8_rows": split_fprop, "grouped_mm.float8_columns": wgrad}), \
+            torch.autocast("cuda", dtype=torch.bfloat16):
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
-    assert [c.kwargs["use_fast_accum"] for c in launches.call_args_list] == [True, True]
+    ours = stack_dtype == torch.float32
+    assert [c.kwargs["use_fast_accum"] for c in launches.call_args_list] == [True] * (1 if ours else 2)
     assert split_fprop.call_count == 1  # fprop: the factory's own choice, the split accumulator (qtensor's kernel)
+    assert [c.args[6] for c in wgrad.call_args_list] == ([True] if ours else [])  # fast accumulation
     deq = CASES["float8_rowwise"][1]
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:

@@ -52,7 +52,10 @@ def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumul
     weight gradient in its parameter's dtype), which qtensor's wgrad kernel stores directly."""
     stored_dtype = stored_dtype or out_dtype
     if _grouped_fp8_fits(a, b, out_dtype):
-        kernel = None if fast_accumulation else _float8_kernel(a, b)
+        # qtensor's kernel for the split accumulator, and for a weight gradient stored wider than it is
+        # rounded (torch's would need a pass to convert it); torch's for the rest of fast accumulation.
+        ours = not fast_accumulation or (b.data.dim() == 2 and stored_dtype != out_dtype)
+        kernel = _float8_kernel(a, b, fast_accumulation) if ours else None
         if kernel is not None:
             return kernel(a, b, out_dtype, stored_dtype).to(stored_dtype)
         # A 2-D operand's factors as one vector (per row; per group and row for wgrad), a stack's [E, N].
@@ -67,7 +70,7 @@ def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumul
     return _scaled_groups(a, b, a.lengths, out_dtype, tensor_scaled, fast_accumulation).to(stored_dtype)
 
 
-def _float8_kernel(a, b):
+def _float8_kernel(a, b, fast_accumulation: bool):
     """qtensor's split-accumulator grouped FP8 GEMM for the pair, as a function of (a, b, out_dtype,
     stored_dtype: where wgrad's kernel stores the rounded product);
     None where it is not registered (no Triton, the reference switch) or a run of wgrad's rows is
@@ -75,13 +78,13 @@ def _float8_kernel(a, b):
     if b.data.dim() == 3:
         kernel = lookup("grouped_mm.float8_rows", a.data)
         return None if kernel is None else lambda a, b, out_dtype, stored_dtype: kernel(
-            a.data, a.scale_inv.reshape(-1), b.data.contiguous(), b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, False
+            a.data, a.scale_inv.reshape(-1), b.data.contiguous(), b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, fast_accumulation
         )
     kernel = lookup("grouped_mm.float8_columns", a.data)
     if kernel is None or any(length % 16 for length in a.lengths):
         return None
     return lambda a, b, out_dtype, stored_dtype: kernel(
-        a.data, a.scale_inv.contiguous(), b.data, b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, False, stored_dtype=stored_dtype
+        a.data, a.scale_inv.contiguous(), b.data, b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, fast_accumulation, stored_dtype=stored_dtype
     )
 
 
