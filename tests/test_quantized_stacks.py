@@ -69,14 +69,16 @@ def test_each_expert_is_cast_on_its_own_and_only_low_precision_bytes_are_kept(ca
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
-@pytest.mark.parametrize("case, whole", [("float8", True), ("float8_rowwise", True), ("mxfp8", True), ("nvfp4", False)])
+@pytest.mark.parametrize("case, whole", [("float8", True), ("float8_rowwise", True), ("mxfp8", True), ("nvfp4", True), ("hybrid", True)])
 def test_a_stack_is_cast_in_one_go_where_the_format_allows_each_expert_with_its_own_scales(case, whole, device):
-    """Float8 (per-tensor or row-wise scales, through the grouped casts) and MXFP8 over experts of
-    whole 32-row blocks (the stack as one matrix) cast every expert of a stack at once, when
+    """Float8 (per-tensor or row-wise scales, through the grouped casts), MXFP8 over experts of
+    whole 32-row blocks (the stack as one matrix) and NVFP4 and the hybrid over experts of whole
+    16-row blocks (the stack as one matrix in groups of an expert's rows, each at its own tensor
+    scale: formats/nvfp4_groups.py) cast every expert of a stack at once, when
     quantize_ holds it and when MasterWeights writes it again (`requantize`): the weight
     quantizer's `quantize` runs at most twice (the first expert alone, for the layout, and the
     stack as one matrix), not once an expert. Each expert still gets its own scales: its two copies
-    are the oracle's cast of its matrix alone. NVFP4, whose scale is per tensor, casts expert by expert."""
+    are the oracle's cast of its matrix alone."""
     experts, out_features, in_features = 8, 64, 96
     generator = torch.Generator().manual_seed(4)
     magnitudes = torch.logspace(-3, 3, experts)[:, None, None]  # experts of very different magnitudes

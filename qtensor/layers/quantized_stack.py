@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..core import tensor as core_tensor
 from ..core.numerics import sharded_cast
-from ..core.groups import GroupedCopy, GroupedOperand
+from ..core.groups import GroupedCopy, GroupedOperand, RowGroups
 from ..core.tensor import QuantizedTensor
 from ..distributed import fsdp, packing
 from .config import LinearQuantizers
@@ -270,12 +270,27 @@ def _cast_at_once(quantizer, matrices: torch.Tensor, like: QuantizedTensor) -> d
 
     - Float8 with grouped casts (per-tensor or row-wise scales): `quantize_stack`, which scales each
       expert (or each row of it) on its own (formats/float8_groups.py);
-    - a format with no tensor-wide scale whose blocks fall within each expert (MXFP8 over experts of
-      whole 32-row blocks): the stack cast as one [E·out, in] matrix, each buffer then split into
-      the experts' rows."""
+    - a block format whose values bf16 holds (`group_block_rows`: MXFP8, NVFP4, their hybrid) over
+      experts of whole blocks of rows: the stack as one [E·out, in] matrix in groups of `out` rows
+      (`quantize_padded_groups`: each expert at its own tensor scale), each buffer then split into
+      the experts' rows;
+    - another format with no tensor-wide scale whose blocks fall within each expert: the stack cast
+      as one [E·out, in] matrix, each buffer then split into the experts' rows."""
     experts, rows, cols = matrices.shape
     template = _stacked([like])  # one expert's buffers, [1, ...]
-    if getattr(quantizer, "grouped_scaling", lambda: None)() in ("tensor", "row"):
+    block = quantizer.group_block_rows()
+    if block is not None and rows % block == 0:
+        groups = RowGroups((rows,) * experts, torch.arange(1, experts + 1, device=matrices.device) * rows, align=block)
+        copies = quantizer.quantize_padded_groups(matrices.reshape(experts * rows, cols), groups, True, True)
+        stacked = {}
+        for direction, copy in zip(("rowwise", "columnwise"), copies):
+            for spec in copy.storage.buffer_specs():
+                key = (direction, spec.name)
+                if spec.tensor_wide:  # each expert's own, as `_stacked` pads a scalar to 16 bytes
+                    stacked[key] = torch.nn.functional.pad(copy.group_scales[:, None], (0, template[key].shape[1] - 1))
+                else:
+                    stacked[key] = _split_experts(getattr(copy.storage, spec.name), spec, experts)
+    elif getattr(quantizer, "grouped_scaling", lambda: None)() in ("tensor", "row"):
         row, col = quantizer.quantize_stack(matrices, rowwise=True, columnwise=True)
         tensor_scaled = quantizer.grouped_scaling() == "tensor"
         scalar = lambda scale_inv: torch.nn.functional.pad(scale_inv[:, :1], (0, template[("rowwise", "scale_inv")].shape[1] - 1))
@@ -292,10 +307,7 @@ def _cast_at_once(quantizer, matrices: torch.Tensor, like: QuantizedTensor) -> d
         stacked = {}
         for direction in ("rowwise", "columnwise"):
             for spec in getattr(whole, direction).buffer_specs():
-                buffer = getattr(getattr(whole, direction), spec.name)
-                shape = list(buffer.shape)
-                shape[spec.row_axis : spec.row_axis + 1] = [experts, shape[spec.row_axis] // experts]
-                stacked[(direction, spec.name)] = buffer.reshape(shape).movedim(spec.row_axis, 0)
+                stacked[(direction, spec.name)] = _split_experts(getattr(getattr(whole, direction), spec.name), spec, experts)
     if any(key not in stacked or stacked[key].shape[1:] != t.shape[1:] or stacked[key].dtype != t.dtype for key, t in template.items()):
         return None  # a layout this cast does not give: each expert in turn
     owners = _owners(template)  # a buffer both directions of a cast share stays one tensor
@@ -320,6 +332,13 @@ def _stacked(casts) -> dict:
                 buffers = torch.nn.functional.pad(buffers[:, None], (0, 16 // buffers.element_size() - 1))
             stacked[(direction, name)] = buffers
     return stacked
+
+
+def _split_experts(buffer: torch.Tensor, spec, experts: int) -> torch.Tensor:
+    """A buffer of the [E·out, in] cast as [E, ...], each expert's entries along its row axis."""
+    shape = list(buffer.shape)
+    shape[spec.row_axis : spec.row_axis + 1] = [experts, shape[spec.row_axis] // experts]
+    return buffer.reshape(shape).movedim(spec.row_axis, 0)
 
 
 def _owners(stacked: dict) -> dict:
