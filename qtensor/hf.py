@@ -33,7 +33,7 @@ from .layers import experts
 from .layers.quantized_stack import QuantizedStack
 from .hf_export import export  # noqa: F401 (qtensor.hf.export)
 from .optim import MasterWeights
-from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, save_running_state
+from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, running_state, save_running_state
 from .core.quantizer import decode_value, encode_value
 from .recipes import Recipe
 from .core.tensor import QuantizedTensor
@@ -346,7 +346,11 @@ class QTensorTrainer(Trainer):
     - `train(resume_from_checkpoint=...)` restores the checkpoint's qtensor tensors (quantized
       weights' bytes, delayed scaling's histories) with `qtensor.checkpoint.load_model_files`,
       where `Trainer`'s own `load_state_dict` of the file's plain tensors would leave them out,
-      and restores them again after `MasterWeights`' state (whose loading casts the masters).
+      and restores them again after `MasterWeights`' state (whose loading casts the masters);
+    - a peft model (adapters over a frozen quantized base, docs/fine-tuning.md) checkpoints its
+      adapters as peft saves them, and beside them the base's running state (delayed scaling's
+      input and gradient histories, `qtensor_running_state.safetensors`), which a resumed run
+      restores: the frozen base itself is the one the run loaded.
 
     Anything else is `Trainer`'s own. A model with dynamic weights also trains with a plain
     `Trainer`, but resumes exactly only here."""
@@ -354,7 +358,8 @@ class QTensorTrainer(Trainer):
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         target = model if model is not None else self.model
-        if any(isinstance(p, QuantizedTensor) for p in target.parameters()) and not isinstance(optimizer, MasterWeights):
+        trained = [p for p in target.parameters() if p.requires_grad]  # (a peft model's frozen base has no masters)
+        if any(isinstance(p, QuantizedTensor) for p in trained) and not isinstance(optimizer, MasterWeights):
             self.optimizer = optimizer = MasterWeights(optimizer)
         return optimizer
 
@@ -390,6 +395,12 @@ class QTensorTrainer(Trainer):
             model.save_pretrained(output_dir if output_dir is not None else self.args.output_dir, is_main_process=False)
             return
         super()._save(output_dir, state_dict)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        state = _running_state(model) if _is_peft(model) else {}
+        if state and self.args.should_save:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(output_dir or self.args.output_dir, RUNNING_STATE_FILE))
 
     def _saves_sharded(self) -> bool:
         """Whether this run saves a model sharded by FSDP2 whole, through qtensor's gather."""
@@ -417,9 +428,39 @@ class QTensorTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = model if model is not None else self.model
+        if _is_peft(model):  # peft's adapters, then the base's running state saved beside them
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            path = os.path.join(resume_from_checkpoint, RUNNING_STATE_FILE)
+            if os.path.exists(path):
+                from safetensors.torch import load_file
+
+                state, live = load_file(path), _running_state(model)
+                if state.keys() != live.keys():
+                    raise ValueError(f"{path}: its running state is not this model's (keys differ: the base was quantized otherwise).")
+                with torch.no_grad():
+                    for key, tensor in state.items():
+                        live[key].copy_(tensor)
+            return
         if not isinstance(getattr(model, "hf_quantizer", None), QTensorHfQuantizer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         checkpoint.load_model_files(model, checkpoint_files(resume_from_checkpoint), strict=True, device=next(model.parameters()).device)
+
+
+RUNNING_STATE_FILE = "qtensor_running_state.safetensors"
+
+
+def _is_peft(model) -> bool:
+    """A peft model (its `peft_config`): checkpointed as adapters over the base it was built on."""
+    return isinstance(getattr(model, "peft_config", None), dict)
+
+
+def _running_state(model) -> dict[str, torch.Tensor]:
+    """Every quantized layer's live running-state tensors, by state_dict key."""
+    return {
+        f"{prefix}.{suffix}" if prefix else suffix: tensor
+        for prefix, module in model.named_modules() if getattr(module, "_qtensor_layers", None)
+        for suffix, tensor in running_state(module).items()
+    }
 
 
 def _is_layer_weight(parameter) -> bool:

@@ -1,0 +1,206 @@
+"""Fine-tuning on a low-precision base: LoRA adapters (peft) over frozen quantized weights.
+
+A frozen quantized weight costs only what it must: no weight-gradient GEMM runs, no columnwise
+copy of the layer's input is cast or saved, and dgrad multiplies the gradient by the weight's own
+columnwise copy. The peft flow: `from_pretrained(..., quantization_config=QTensorConfig(...,
+weights="quantized"))`, `get_peft_model`, training, adapters saved and loaded by peft, and
+`merge_and_unload` into the quantized base, whose merged weights are the format's cast of the
+dequantized base plus the adapters' product (the oracle's)."""
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+import oracle  # noqa: E402
+import qtensor  # noqa: E402
+import qtensor.hf  # noqa: E402
+from qtensor.hf import QTensorConfig  # noqa: E402
+from qtensor.layers import linear as linear_module  # noqa: E402
+
+RECIPES = ["float8_current", "float8_rowwise", "mxfp8", "nvfp4"]
+WEIGHTS = ["dynamic", "quantized"]
+
+
+def frozen_layer(recipe, weights):
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 64, bias=False)
+    qtensor.quantize_(layer, getattr(qtensor.recipes, recipe)(), weights=weights)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_frozen_quantized_weight_runs_no_wgrad_and_saves_no_input_copy(recipe, weights):
+    """The input needs its gradient (an adapter below), the weight none: one fprop and one dgrad, no
+    wgrad; the input is cast rowwise only; the only tensors saved for the backward are the weight's
+    columnwise copy (a held weight's own bytes, nothing new; a dynamic weight's cast of it)."""
+    layer = frozen_layer(recipe, weights)
+    x = torch.randn(32, 96, requires_grad=True)
+    calls = {name: mock.Mock(wraps=getattr(linear_module.gemm, name)) for name in ("fprop", "dgrad", "wgrad")}
+    input_quantizer = layer.weight.linear_quantizers.input
+    saved = []
+    with mock.patch.multiple(linear_module.gemm, **calls), \
+            mock.patch.object(input_quantizer, "quantize", wraps=input_quantizer.quantize) as input_casts:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = layer(x)
+        y.sum().backward()
+    assert [calls[name].call_count for name in ("fprop", "dgrad", "wgrad")] == [1, 1, 0]
+    assert all(not call.kwargs.get("columnwise", True) for call in input_casts.call_args_list)
+    assert x.grad is not None and layer.weight.grad is None
+    own = {buffer.untyped_storage().data_ptr() for buffer in _buffers(layer.weight)}
+    new_bytes = sum(t.numel() * t.element_size() for t in saved if t is not None and t.untyped_storage().data_ptr() not in own)
+    weight_copy = sum(b.numel() * b.element_size() for b in _buffers(layer.weight, "columnwise"))
+    assert new_bytes == (0 if weights == "quantized" else pytest.approx(weight_copy, rel=0.01, abs=64))
+
+
+def _buffers(weight, direction=None):
+    """A quantized weight's storage buffers (of `direction`, or both): a held weight's own."""
+    if not hasattr(weight, "rowwise"):  # a dynamic weight: its cast's buffers, as the forward makes them
+        weight = weight.linear_quantizers.weight.quantize(weight.detach(), rowwise=direction != "columnwise", columnwise=direction != "rowwise")
+    storages = [getattr(weight, d) for d in ("rowwise", "columnwise") if d == direction or direction is None]
+    return [b for storage in storages if storage is not None for b in storage.buffers.values()]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def lora_model(path, recipe, seed=0):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe=recipe, weights="quantized"))
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+TOKENS = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
+
+
+def base_bytes(model):
+    return {name: b.clone() for name, module in model.named_modules() if isinstance(module, nn.Linear) and hasattr(module.weight, "rowwise")
+            for name, b in ((f"{name}.{d}.{k}", v) for d in ("rowwise", "columnwise") if getattr(module.weight, d) is not None
+                            for k, v in getattr(module.weight, d).buffers.items())}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_lora_trains_over_a_base_loaded_quantized_and_leaves_it_untouched(checkpoint, recipe):
+    """The base loaded straight into low precision (no plain model held), every linear layer's LoRA
+    adapters trained under bf16 autocast: the loss falls, only adapters get gradients, and the
+    base's bytes are the same after the steps."""
+    model = lora_model(checkpoint, recipe)
+    before = base_bytes(model)
+    assert len(before) > 0
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(6):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=TOKENS, labels=TOKENS).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05
+    after = base_bytes(model)
+    assert all(torch.equal(before[name].reshape(-1).view(torch.uint8), after[name].reshape(-1).view(torch.uint8)) for name in before)
+
+
+def test_peft_saves_the_adapters_and_loads_them_onto_a_quantized_base(checkpoint, tmp_path):
+    """peft's own save_pretrained writes the adapters alone; PeftModel.from_pretrained over a fresh
+    quantized base gives the same logits."""
+    model = lora_model(checkpoint, "float8_rowwise")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        model(input_ids=TOKENS, labels=TOKENS).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(tmp_path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=QTensorConfig(recipe="float8_rowwise", weights="quantized"))
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=TOKENS).logits, model(input_ids=TOKENS).logits)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_merging_the_adapters_recasts_each_weight_from_its_base_plus_the_product(checkpoint, recipe):
+    """merge_and_unload into the quantized base: each merged layer holds the format's cast (the
+    numpy oracle's) of its dequantized base weight plus the adapters' product, so the merged model
+    is a quantized model again, its error from the exact sum one cast's."""
+    model = lora_model(checkpoint, recipe)
+    for name, module in model.named_modules():  # adapters away from zero, as training leaves them
+        if isinstance(module, peft.tuners.lora.Linear):
+            nn.init.normal_(module.lora_B["default"].weight, std=0.05)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.Linear)}
+    exact = {name: (m.base_layer.weight.dequantize(torch.float32) + m.get_delta_weight("default").float()).detach() for name, m in layers.items()}
+    merged = model.merge_and_unload()
+    weight_oracle = _weight_oracle(recipe)
+    for name, value in exact.items():
+        weight = merged.get_submodule(name.removeprefix("base_model.model.")).weight
+        assert hasattr(weight, "rowwise"), f"{name}: merged into a plain weight"
+        np.testing.assert_array_equal(weight.dequantize(torch.float32).numpy(), weight_oracle(value.numpy()).astype(np.float32))
+
+
+def _weight_oracle(recipe):
+    """The numpy oracle's dequantized cast of a weight by `recipe`'s weight role (rowwise copy)."""
+    if recipe == "float8_current":
+        return lambda w: oracle.float8_current(w, "e4m3").deq
+    if recipe == "float8_rowwise":
+        return lambda w: oracle.float8_block(w, "rowwise", block_rows=1, block_cols=None, pow2_scales=True).deq
+    if recipe == "mxfp8":
+        return lambda w: oracle.mxfp8(w, "rowwise").deq
+    return lambda w: oracle.nvfp4(w, "rowwise", block_2d=True).deq
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.tokens = torch.randint(128, (32, 24), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+@pytest.mark.parametrize("recipe", ["float8_rowwise", "float8_delayed"])
+def test_qtensor_trainer_trains_a_peft_model_with_checkpointing_and_accumulation_and_resumes_exactly(checkpoint, recipe, tmp_path):
+    """QTensorTrainer over LoRA on a quantized base: gradient checkpointing, two micro-batches a
+    step; a run resumed from its step-2 checkpoint (peft's adapter files, and with delayed scaling
+    the base's amax histories beside them) ends on the same losses and the same adapters as the
+    run that went on, and the base is never written."""
+
+    def trainer(out):
+        model = lora_model(checkpoint, recipe)
+        args = transformers.TrainingArguments(
+            out, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-2, save_steps=2,
+            logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0, lr_scheduler_type="constant", disable_tqdm=True,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+        return qtensor.hf.QTensorTrainer(model=model, args=args, train_dataset=_Tokens())
+
+    losses = lambda t: [entry["loss"] for entry in t.state.log_history if "loss" in entry]
+    uninterrupted = trainer(tmp_path / "run")
+    before = base_bytes(uninterrupted.model)
+    uninterrupted.train()
+    assert (tmp_path / "run" / "checkpoint-2" / qtensor.hf.RUNNING_STATE_FILE).exists() == (recipe == "float8_delayed")
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert len(losses(uninterrupted)) == 4 and losses(resumed) == losses(uninterrupted)
+    adapters = lambda t: {n: p.detach() for n, p in t.model.named_parameters() if "lora_" in n}
+    assert all(torch.equal(p, adapters(resumed)[n]) for n, p in adapters(uninterrupted).items())
+    after = base_bytes(uninterrupted.model)
+    assert all(torch.equal(before[n].reshape(-1).view(torch.uint8), after[n].reshape(-1).view(torch.uint8)) for n in before)
