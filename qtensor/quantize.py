@@ -402,9 +402,11 @@ def dequantize_(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     layout each module keeps (a Conv1D's [in, out]), in `dtype` (None: the dtype each weight was
     quantized from). A transformers model loaded with a `QTensorConfig` also drops its quantization
     config: it saves and loads as a plain model."""
-    hf_quantizer = getattr(model, "hf_quantizer", None)
+    # The transformers model holding the quantizer: `model` itself, or the model a wrapper holds (peft's).
+    loaded = next((m for m in model.modules() if "hf_quantizer" in m.__dict__), None)
+    hf_quantizer = getattr(loaded, "hf_quantizer", None)
     if getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None) == "qtensor":
-        hf_quantizer.remove_quantization_config(model)  # transformers' own: config.json no longer names qtensor
+        hf_quantizer.remove_quantization_config(loaded)  # transformers' own: config.json no longer names qtensor
     for module in model.modules():
         layers = module.__dict__.get("_qtensor_layers")
         if not layers:

@@ -204,3 +204,68 @@ def test_qtensor_trainer_trains_a_peft_model_with_checkpointing_and_accumulation
     assert all(torch.equal(p, adapters(resumed)[n]) for n, p in adapters(uninterrupted).items())
     after = base_bytes(uninterrupted.model)
     assert all(torch.equal(before[n].reshape(-1).view(torch.uint8), after[n].reshape(-1).view(torch.uint8)) for n in before)
+
+
+def _train_lora(model, steps=30):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=TOKENS, labels=TOKENS).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(input_ids=TOKENS, labels=TOKENS).loss.item()
+
+
+def test_lora_on_every_quantized_base_ends_within_five_percent_of_bf16_lora(checkpoint):
+    """The same adapters (same seed), the same steps: over each format's frozen base the final loss
+    is within 5% of LoRA over the plain bf16 base."""
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    reference = _train_lora(peft.get_peft_model(plain, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)))
+    finals = {recipe: _train_lora(lora_model(checkpoint, recipe)) for recipe in RECIPES}
+    print({"bf16": reference, **finals})
+    assert all(abs(final - reference) <= 0.05 * reference for final in finals.values()), finals
+
+
+@pytest.mark.parametrize("recipe", ["float8_rowwise", "nvfp4"])
+def test_merging_into_a_plain_base_for_serving(checkpoint, recipe, tmp_path):
+    """For a plain (bf16) serving checkpoint: `qtensor.dequantize_` the peft model, then
+    `merge_and_unload`: each weight is exactly its dequantized base plus the adapters' product, no
+    second cast; `save_pretrained` writes a checkpoint transformers loads without qtensor's config."""
+    model = lora_model(checkpoint, recipe)
+    for module in model.modules():
+        if isinstance(module, peft.tuners.lora.Linear):
+            nn.init.normal_(module.lora_B["default"].weight, std=0.05)
+    layers = {name.removeprefix("base_model.model."): m for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.Linear)}
+    exact = {name: (m.base_layer.weight.dequantize(torch.float32) + m.get_delta_weight("default").float()).detach() for name, m in layers.items()}
+    qtensor.dequantize_(model)
+    merged = model.merge_and_unload()
+    for name, value in exact.items():
+        weight = merged.get_submodule(name).weight
+        assert type(weight) is nn.Parameter
+        torch.testing.assert_close(weight.detach().float(), value, rtol=0, atol=1e-6)
+    merged.save_pretrained(tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert getattr(again.config, "quantization_config", None) is None
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=TOKENS).logits, merged(input_ids=TOKENS).logits)
+
+
+def test_a_model_merged_into_its_quantized_base_exports_plain(checkpoint, tmp_path):
+    """`qtensor.hf.export` of a model merged into its quantized base writes plain weights, each the
+    merged quantized weight's values, which transformers loads without a quantization config."""
+    model = lora_model(checkpoint, "float8_rowwise")
+    for module in model.modules():
+        if isinstance(module, peft.tuners.lora.Linear):
+            nn.init.normal_(module.lora_B["default"].weight, std=0.05)
+    merged = model.merge_and_unload()
+    qtensor.hf.export(merged, tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert getattr(loaded.config, "quantization_config", None) is None
+    for name, module in merged.named_modules():
+        if isinstance(module, nn.Linear) and hasattr(module.weight, "rowwise"):
+            expected = module.weight.dequantize(torch.float32).to(torch.bfloat16).float()
+            assert torch.equal(loaded.get_submodule(name).weight.float(), expected), name

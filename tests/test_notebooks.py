@@ -8,11 +8,11 @@ import pytest
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-PLOTTING = {"01_quickstart.ipynb", "02_formats.ipynb", "04_convergence.ipynb"}
+PLOTTING = {"01_quickstart.ipynb", "02_formats.ipynb", "04_convergence.ipynb", "05_lora.ipynb"}
 
 
-def test_the_four_notebooks_are_there():
-    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_formats.ipynb", "03_checkpoints.ipynb", "04_convergence.ipynb"]
+def test_the_five_notebooks_are_there():
+    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_formats.ipynb", "03_checkpoints.ipynb", "04_convergence.ipynb", "05_lora.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

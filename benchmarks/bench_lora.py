@@ -1,0 +1,118 @@
+"""LoRA fine-tuning over a frozen base: peak memory and tokens/s by the base's format (GPU).
+
+    python benchmarks/bench_lora.py [--systems bf16,float8_rowwise,nvfp4,nf4] [--steps 10] [--seq 2048] [--tiny]
+
+A Llama-shaped model of about 1.1B parameters (hidden 2048, 22 blocks, MLP 5632, 32 heads, 4 KV
+heads, vocabulary 32000; random weights), LoRA rank 16 (alpha 32) on every linear layer of the
+blocks (peft), sequence 2048, batch 1, bf16 autocast, AdamW on the adapters. A step is forward,
+backward and the optimizer step; the median of `--steps` after two warm-up steps. Systems:
+
+- "bf16": the base in bf16;
+- "<recipe>": the base held quantized by qtensor (`weights="quantized"`), e.g. float8_rowwise, nvfp4;
+- "nf4": torchao's NF4 (`to_nf4`) for every block's linear weights, as torchtune's QLoRA holds
+  them (where torchao imports).
+
+`--tiny` runs a two-block model of width 256 (on the CPU too, `--device cpu`) to check the script.
+Prints tokens/s, × bf16 and peak GiB per system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qtensor  # noqa: E402
+
+SHAPES = {
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4),
+    "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def build(system: str, shape: str, device: str):
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    if system == "bf16":
+        model.to(torch.bfloat16)
+    elif system == "nf4":
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        model.to(torch.bfloat16)
+        for layer in model.model.layers:
+            for module in layer.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    else:
+        qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, system)(), weights="quantized")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
+
+
+def measure(system: str, shape: str, device: str, seq: int, steps: int) -> dict:
+    model = build(system, shape, device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
+    tokens = torch.randint(0, SHAPES[shape]["vocab_size"], (1, seq), device=device)
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(2):
+        step()
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    return {"tokens_per_s": seq / seconds, "ms": seconds * 1e3, "peak_gib": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default="bf16,float8_current,float8_rowwise,mxfp8,nvfp4,nf4")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    shape = "tiny" if args.tiny else "1b"
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}; LoRA r16 over a {shape} Llama, sequence {args.seq}, median of {args.steps} steps")
+    print(f"{'system':<16} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
+    base = None
+    for system in args.systems.split(","):
+        try:
+            row = measure(system, shape, args.device, args.seq, args.steps)
+        except Exception as error:  # one system's failure is a row
+            print(f"{system:<16} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
+            continue
+        base = base or (row["tokens_per_s"] if system == "bf16" else None)
+        ratio = f"{row['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
+        print(f"{system:<16} {row['tokens_per_s']:>10,.0f} {row['ms']:>9.1f} {ratio} {row['peak_gib']:>9.2f}", flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

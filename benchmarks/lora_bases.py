@@ -1,0 +1,93 @@
+"""Which base to fine-tune on: for each format a frozen base can be held in, the bytes a parameter
+takes and the error it brings (runs on the CPU; docs/fine-tuning.md has the table).
+
+    python benchmarks/lora_bases.py [--shape 2048,2048] [--tokens 256]
+
+For one weight (a Llama-like initialisation, normal with std 0.02, and one row in 64 scaled by 8
+for outliers) and one input (normal), each format's held base (`weights="quantized"`: both copies a
+frozen layer keeps, the forward's and dgrad's) gives:
+
+- bytes per parameter of the held weight (every buffer, scales included);
+- the relative error of the base's weights, ||deq(W) - W|| / ||W|| (the rowwise copy's values);
+- the relative error of a layer's output, ||layer(x) - x·Wᵀ|| / ||x·Wᵀ|| against float64, with the
+  input cast as the recipe casts it (bf16 autocast for the plain and NF4 layers).
+
+NF4 (torchao's `to_nf4`, blocks of 64, double-quantized scales) where torchao imports; bitsandbytes'
+NF4 where bitsandbytes imports (it needs a GPU build to quantize).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+import qtensor
+
+RECIPES = {
+    "float8_current": qtensor.recipes.float8_current,
+    "float8_rowwise": qtensor.recipes.float8_rowwise,
+    "float8_blockwise": qtensor.recipes.float8_blockwise,
+    "mxfp8": qtensor.recipes.mxfp8,
+    "nvfp4 (16x16 weight tiles, the recipe's default)": qtensor.recipes.nvfp4,
+    "nvfp4 (1x16 weight blocks)": lambda: qtensor.recipes.nvfp4(weight_block_2d=False),
+}
+
+
+def weight_and_input(rows: int, cols: int, tokens: int):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(rows, cols, generator=generator) * 0.02
+    weight[::64] *= 8  # outlier rows, as trained models have
+    return weight, torch.randn(tokens, cols, generator=generator)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def qtensor_row(recipe, weight: torch.Tensor, x: torch.Tensor) -> tuple[float, float, float]:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    qtensor.quantize_(layer, recipe(), weights="quantized")
+    held = layer.weight
+    nbytes = sum(b.numel() * b.element_size() for d in ("rowwise", "columnwise") if getattr(held, d) is not None for b in getattr(held, d).buffers.values())
+    with torch.no_grad():
+        y = layer(x)
+    return nbytes / weight.numel(), relative(held.dequantize(torch.float32), weight), relative(y, x.double() @ weight.double().t())
+
+
+def nf4_row(weight: torch.Tensor, x: torch.Tensor):
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+    except ImportError:
+        return None
+    nf4 = to_nf4(weight.to(torch.bfloat16))
+    inner, _ = nf4.__tensor_flatten__()
+    nbytes = sum(getattr(nf4, name).numel() * getattr(nf4, name).element_size() for name in inner)
+    y = linear_nf4(x.to(torch.bfloat16), nf4)
+    return nbytes / weight.numel(), relative(nf4.get_original_weight(), weight), relative(y, x.double() @ weight.double().t())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="2048,2048")
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    rows, cols = (int(n) for n in args.shape.split(","))
+    weight, x = weight_and_input(rows, cols, args.tokens)
+    table = {"bf16": (2.0, relative(weight.to(torch.bfloat16), weight), relative(x.bfloat16() @ weight.bfloat16().t(), x.double() @ weight.double().t()))}
+    table.update({name: qtensor_row(recipe, weight, x) for name, recipe in RECIPES.items()})
+    nf4 = nf4_row(weight, x)
+    if nf4 is not None:
+        table["NF4 (torchao)"] = nf4
+    print(f"weight [{rows}, {cols}], input [{args.tokens}, {cols}]; torch {torch.__version__}")
+    print("| base | bytes per parameter | weight error | layer output error |")
+    print("| --- | --- | --- | --- |")
+    for name, (per_parameter, weight_error, output_error) in table.items():
+        print(f"| {name} | {per_parameter:.3f} | {weight_error:.2e} | {output_error:.2e} |")
+
+
+if __name__ == "__main__":
+    main()
