@@ -7,6 +7,7 @@ weights="quantized"))`, `get_peft_model`, training, adapters saved and loaded by
 `merge_and_unload` into the quantized base, whose merged weights are the format's cast of the
 dequantized base plus the adapters' product (the oracle's)."""
 
+import json
 from unittest import mock
 
 import numpy as np
@@ -254,17 +255,20 @@ def test_merging_into_a_plain_base_for_serving(checkpoint, recipe, tmp_path):
         assert torch.equal(again(input_ids=TOKENS).logits, merged(input_ids=TOKENS).logits)
 
 
-def test_a_model_merged_into_its_quantized_base_exports_plain(checkpoint, tmp_path):
-    """`qtensor.hf.export` of a model merged into its quantized base writes plain weights, each the
-    merged quantized weight's values, which transformers loads without a quantization config."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16 export", "FP8 export"])
+def test_a_model_merged_into_its_quantized_base_exports_for_serving(checkpoint, fp8, tmp_path):
+    """`qtensor.hf.export` of a model merged into its quantized base: plain weights, or with
+    `fp8=True` transformers' fine-grained FP8 layout; transformers loads either (on a CPU it
+    dequantizes the FP8 weights to bf16), each weight the merged quantized weight's values."""
     model = lora_model(checkpoint, "float8_rowwise")
     for module in model.modules():
         if isinstance(module, peft.tuners.lora.Linear):
             nn.init.normal_(module.lora_B["default"].weight, std=0.05)
     merged = model.merge_and_unload()
-    qtensor.hf.export(merged, tmp_path)
+    qtensor.hf.export(merged, tmp_path, fp8=fp8)
+    written = json.loads((tmp_path / "config.json").read_text()).get("quantization_config")
+    assert (written or {}).get("quant_method") == ("fp8" if fp8 else None)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert getattr(loaded.config, "quantization_config", None) is None
     for name, module in merged.named_modules():
         if isinstance(module, nn.Linear) and hasattr(module.weight, "rowwise"):
             expected = module.weight.dequantize(torch.float32).to(torch.bfloat16).float()
