@@ -3,8 +3,9 @@
     python benchmarks/bench_lora.py [--systems bf16,float8_rowwise,nvfp4,nf4] [--steps 10] [--seq 2048] [--tiny]
 
 A Llama-shaped model of about 1.1B parameters (hidden 2048, 22 blocks, MLP 5632, 32 heads, 4 KV
-heads, vocabulary 32000; random weights), LoRA rank 16 (alpha 32) on every linear layer of the
-blocks (peft), sequence 2048, batch 1, bf16 autocast, AdamW on the adapters. A step is forward,
+heads, vocabulary 32000; random weights) in bf16, its blocks' linear weights then held in the
+base's format, LoRA rank 16 (alpha 32) on every linear layer of the blocks (peft), sequence 2048,
+batch 1, bf16 autocast, AdamW on the adapters. A step is forward,
 backward and the optimizer step; the median of `--steps` after two warm-up steps. Systems:
 
 - "bf16": the base in bf16;
@@ -13,7 +14,9 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
   them (where torchao imports).
 
 `--tiny` runs a two-block model of width 256 (on the CPU too, `--device cpu`) to check the script.
-Prints tokens/s, × bf16 and peak GiB per system.
+Prints tokens/s, × bf16 and peak GiB per system, and the bytes a forward saves for the backward
+per token (activations: every tensor autograd saves, less the model's parameters and the held
+weights' own buffers; measured with saved-tensor hooks, so on the CPU too).
 """
 
 from __future__ import annotations
@@ -43,17 +46,15 @@ def build(system: str, shape: str, device: str):
     config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
-    if system == "bf16":
-        model.to(torch.bfloat16)
-    elif system == "nf4":
+    model.to(torch.bfloat16)  # every base in bf16 (embeddings, norms, the head), its blocks' linear weights then quantized
+    if system == "nf4":
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-        model.to(torch.bfloat16)
         for layer in model.model.layers:
             for module in layer.modules():
                 if isinstance(module, nn.Linear):
                     module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
-    else:
+    elif system != "bf16":
         qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, system)(), weights="quantized")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
@@ -71,6 +72,22 @@ def measure(system: str, shape: str, device: str, seq: int, steps: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    own = {t.untyped_storage().data_ptr() for p in model.parameters() for t in _buffers(p)}
+    saved = {}
+
+    def keep(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            for t in _buffers(tensor):
+                pointer = t.untyped_storage().data_ptr()
+                if pointer not in own:
+                    saved[pointer] = t.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast(device, dtype=torch.bfloat16):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    saved_per_token = sum(saved.values()) / seq
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(2):
         step()
@@ -85,7 +102,20 @@ def measure(system: str, shape: str, device: str, seq: int, steps: int) -> dict:
         times.append(time.perf_counter() - start)
     seconds = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    return {"tokens_per_s": seq / seconds, "ms": seconds * 1e3, "peak_gib": peak}
+    return {"tokens_per_s": seq / seconds, "ms": seconds * 1e3, "peak_gib": peak, "saved_per_token": saved_per_token}
+
+
+def _buffers(tensor):
+    """The plain tensors holding `tensor`'s bytes: a quantized tensor's storage buffers (both
+    directions), an NF4 tensor's inner tensors, or the tensor itself."""
+    if hasattr(tensor, "rowwise") and hasattr(tensor, "columnwise"):
+        return [b for d in ("rowwise", "columnwise") if getattr(tensor, d) is not None for b in getattr(tensor, d).buffers.values()]
+    if type(tensor).__name__ == "NF4Tensor":
+        names, _ = tensor.__tensor_flatten__()
+        return [getattr(tensor, name) for name in names]
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, nn.Parameter):
+        return []  # another subclass (a dynamic weight): its bytes are the parameter's
+    return [tensor]
 
 
 def main() -> None:
@@ -99,7 +129,7 @@ def main() -> None:
     shape = "tiny" if args.tiny else "1b"
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}; LoRA r16 over a {shape} Llama, sequence {args.seq}, median of {args.steps} steps")
-    print(f"{'system':<16} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
+    print(f"{'system':<16} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9} {'saved KiB/token':>16}")
     base = None
     for system in args.systems.split(","):
         try:
@@ -109,7 +139,7 @@ def main() -> None:
             continue
         base = base or (row["tokens_per_s"] if system == "bf16" else None)
         ratio = f"{row['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
-        print(f"{system:<16} {row['tokens_per_s']:>10,.0f} {row['ms']:>9.1f} {ratio} {row['peak_gib']:>9.2f}", flush=True)
+        print(f"{system:<16} {row['tokens_per_s']:>10,.0f} {row['ms']:>9.1f} {ratio} {row['peak_gib']:>9.2f} {row['saved_per_token'] / 1024:>16.1f}", flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
