@@ -119,7 +119,7 @@ class GroupedCopy(NamedTuple):
     def operand(self):
         """(bf16 values with the reduction dimension last, each group's TensorScale over [G] or None)."""
         if self.values is not None:
-            values, scale = self.values, self.storage.tensor_scale()
+            values, scale = self.values, getattr(self.storage, "tensor_scale", lambda: None)()
         else:
             values, scale = self.storage.bf16_operand()
         if scale is None:
