@@ -273,3 +273,30 @@ def test_a_model_merged_into_its_quantized_base_exports_for_serving(checkpoint, 
         if isinstance(module, nn.Linear) and hasattr(module.weight, "rowwise"):
             expected = module.weight.dequantize(torch.float32).to(torch.bfloat16).float()
             assert torch.equal(loaded.get_submodule(name).weight.float(), expected), name
+
+
+@pytest.mark.parametrize("recipe, rebuilds", [("float8_current", True), ("float8_blockwise", True), ("mxfp8", False), ("nvfp4", False)])
+def test_a_frozen_weight_holding_one_copy_rebuilds_dgrads_copy_at_each_backward(recipe, rebuilds):
+    """A frozen held weight can keep only the forward's copy (`update_usage(columnwise=False)`): half
+    its bytes where the format's two copies hold the same values (per-tensor Float8: the transpose;
+    128×128 FP8 blocks), dgrad's copy then rebuilt for each backward, the same output and input
+    gradient bit for bit. A format whose copies differ says so at the forward."""
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 128, bias=False)
+    qtensor.quantize_(layer, getattr(qtensor.recipes, recipe)(), weights="quantized")
+    layer.weight.requires_grad_(False)
+    x = torch.randn(32, 256, requires_grad=True)
+    reference = layer(x)
+    reference.sum().backward()
+    expected, x.grad = x.grad.clone(), None
+    both = layer.weight.storage_nbytes()
+    layer.weight.update_usage(columnwise=False)
+    if not rebuilds:
+        with pytest.raises(ValueError, match="cannot rebuild it from the rowwise one"):
+            layer(x)
+        return
+    assert layer.weight.storage_nbytes() <= 0.51 * both
+    y = layer(x)
+    y.sum().backward()
+    assert torch.equal(y, reference) and torch.equal(x.grad, expected)
+    assert layer.weight.columnwise is None  # the rebuilt copy lived for that backward only

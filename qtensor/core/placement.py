@@ -78,11 +78,26 @@ class Placement:
 
     def saved(self, tensor, direction: str) -> tuple[Storage, "Placement | None"]:
         """The storage of `tensor`'s `direction` that the backward keeps, and the placement that makes
-        it whole again when read (`restored`), or None: it is whole."""
+        it whole again when read (`restored`), or None: it is whole. A tensor holding only its other
+        copy (a frozen weight that keeps the forward's) keeps that one, rebuilt when read."""
+        if getattr(tensor, direction) is None and tensor.storage_for(None).direction != direction:
+            return tensor.storage_for(None), Rebuilt(direction)
         return tensor.storage_for(direction), None
 
     def restored(self, storage: Storage) -> Storage:
         return storage
+
+
+class Rebuilt(Placement):
+    """A saved copy of the other direction, re-laid out for `direction` when the backward reads it
+    (`Storage.to_direction`: a format whose two copies hold the same values)."""
+
+    def __init__(self, direction: str):
+        super().__init__()
+        self.direction = direction
+
+    def restored(self, storage: Storage) -> Storage:
+        return storage.to_direction(self.direction)
 
 
 WHOLE = Placement()

@@ -96,10 +96,12 @@ class QuantizedWeight(LayerWeight):
         return QuantizedTensor.__getattr__(self, name)
 
     def linear_operand(self, *, columnwise: bool, training: bool):
-        if columnwise and not self.has_columnwise:
+        if columnwise and not self.has_columnwise and not self._rebuilds_columnwise():
             raise ValueError(
                 f"The quantized weight of {self.linear_quantizers.name or 'this layer'} holds no columnwise copy, "
-                "which dgrad needs. Quantize the weight with columnwise=True (qtensor.quantize_ does)."
+                f"which dgrad needs, and its format ({self.rowwise.format_name}) cannot rebuild it from the rowwise "
+                "one (its blocks run along one direction). Keep both copies (update_usage(columnwise=True) "
+                "cannot rebuild it either: quantize the weight again, as qtensor.quantize_ does)."
             )
         # A weight FSDP2 gathered from a dynamic weight's shard carries the notes of that shard's cast.
         cast = self.gathered_cast
@@ -113,6 +115,13 @@ class QuantizedWeight(LayerWeight):
                 "scaling, or backward_override)."
             )
         return (self, cast.notes, cast.version) if cast is not None else (self, [], None)
+
+    def _rebuilds_columnwise(self) -> bool:
+        """Whether the rowwise copy re-lays out as the columnwise one (asked once per weight): a
+        weight that keeps only the forward's copy then gives dgrad's at each backward."""
+        if "_rebuilds" not in self.__dict__:
+            self._rebuilds = self.rowwise is not None and self.rowwise.to_direction("columnwise") is not None
+        return self._rebuilds
 
     def high_precision_matrix(self) -> torch.Tensor:
         return self.dequantize()
