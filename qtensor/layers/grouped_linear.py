@@ -25,7 +25,7 @@ from .. import gemm
 from ..core.groups import GroupedCopy, GroupedOperand, RowGroups
 from ..core.quantizer import INPUT_DTYPES
 from .config import LinearQuantizers
-from .linear import _output_dtype, _pack_saved, _quantize, _unpack_saved
+from .linear import _output_dtype, _pack_saved, _quantize, _unpack_saved, restored_storage, saved_storage
 from ..core.tensor import QuantizedTensor
 
 
@@ -231,17 +231,15 @@ def _pack_copy(copy: GroupedCopy | None):
     saves a quantized operand's one direction: its storage's buffers, then its groups' scales."""
     if copy is None:
         return [None], None
-    storage = copy.storage
-    names = tuple(spec.name for spec in storage.buffer_specs())
-    fields = dict(direction=storage.direction, rows=storage.rows, cols=storage.cols, row_slice=storage.row_slice, **storage.options)
-    return [getattr(storage, name) for name in names] + [copy.group_scales], (type(storage), fields, names)
+    tensors, recipe = saved_storage(copy.storage)
+    group_scales = copy.group_scales.data if copy.group_scales is not None else None  # (a held stack's: a view of its bytes)
+    return tensors + [group_scales], recipe
 
 
-def _unpack_copy(tensors, rebuild) -> GroupedCopy | None:
-    if rebuild is None:
+def _unpack_copy(tensors, recipe) -> GroupedCopy | None:
+    if recipe is None:
         return None
-    storage_class, fields, names = rebuild
-    return GroupedCopy(storage_class(**fields, **dict(zip(names, tensors))), tensors[len(names)])
+    return GroupedCopy(restored_storage(tensors[:-1], recipe), tensors[-1])
 
 
 def _wgrad_dtype(out_dtype: torch.dtype, stack) -> torch.dtype:

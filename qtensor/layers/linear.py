@@ -133,19 +133,32 @@ def _pack_saved(tensor: torch.Tensor | None, direction: str | None = None):
         storage, restore = tensor.storage_for(direction), None
     else:  # a tensor that arrived without it: its placement says what stands for it
         storage, restore = placement_of(tensor).saved(tensor, direction)
+    tensors, (storage_class, fields, names) = saved_storage(storage)
+    return tensors, SavedOperand(tensor.data_class, direction, names, storage_class, fields, tensor.shape, tensor.dtype, tensor.quantizer, restore)
+
+
+def saved_storage(storage):
+    """(a storage's buffers as plain tensors to save for a backward, (its class, its fields, the
+    buffers' names): what `restored_storage` makes it again from)."""
     options = storage.options
     names = _buffer_names(type(storage), storage.direction, tuple(options.values()))
     # `.data`: the buffers' own version counters stay out of autograd's check, as they were when the
     # wrapper was saved (FSDP2 gathers a weight into the same buffers again before the backward).
     tensors = [getattr(storage, name).data for name in names]
     fields = dict(direction=storage.direction, rows=storage.rows, cols=storage.cols, row_slice=storage.row_slice, **options)
-    return tensors, SavedOperand(tensor.data_class, direction, names, type(storage), fields, tensor.shape, tensor.dtype, tensor.quantizer, restore)
+    return tensors, (type(storage), fields, names)
+
+
+def restored_storage(tensors, recipe):
+    """The storage `saved_storage` saved, over its saved tensors."""
+    storage_class, fields, names = recipe
+    return storage_class(**fields, **dict(zip(names, tensors)))
 
 
 def _unpack_saved(tensors, saved: SavedOperand | None) -> torch.Tensor | None:
     if saved is None:
         return tensors[0]
-    storage = saved.storage_class(**saved.storage_fields, **dict(zip(saved.names, tensors)))
+    storage = restored_storage(tensors, (saved.storage_class, saved.storage_fields, saved.names))
     if saved.restore is not None:
         storage = saved.restore.restored(storage)
     rowwise, columnwise = (storage, None) if saved.direction == "rowwise" else (None, storage)
