@@ -456,11 +456,7 @@ def _is_peft(model) -> bool:
 
 def _running_state(model) -> dict[str, torch.Tensor]:
     """Every quantized layer's live running-state tensors, by state_dict key."""
-    return {
-        f"{prefix}.{suffix}" if prefix else suffix: tensor
-        for prefix, module in model.named_modules() if getattr(module, "_qtensor_layers", None)
-        for suffix, tensor in running_state(module).items()
-    }
+    return {prefix + suffix: tensor for prefix, module in hf_files.quantized_modules(model) for suffix, tensor in running_state(module).items()}
 
 
 def _is_layer_weight(parameter) -> bool:
