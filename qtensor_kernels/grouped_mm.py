@@ -22,17 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
+from qtensor.core.groups import KernelOperand
+
 from .gemm import _tensor_scale
+from .mxfp8 import _decode
 from .launch import launch
 
 
 @triton.jit
 def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group, GROUP_SCALES: tl.constexpr,
               A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr):
-    """The fp32 product times the rows' factors of A and of B, in that order. With GROUP_SCALES (1: A's,
-    2: B's, 3: both) times the group's tensor scales instead, each computed here from its buffer
-    [G] as `TensorScale.value` computes it (a scale_inv, or with *_AMAX_MAX NVFP4's 1/S_enc of the
-    global amax), the two multiplied first, as the dense epilogue does (qtensor_kernels/gemm.py)."""
+    """The fp32 product times the rows' factors of A and of B, in that order (GROUP_SCALES 0). With
+    GROUP_SCALES 1 (A's), 2 (B's) or 3 (both) times the group's tensor scales instead, each computed
+    here from its buffer [G] as `TensorScale.value` computes it (a scale_inv, or with *_AMAX_MAX
+    NVFP4's 1/S_enc of the global amax), the two multiplied first, as the dense epilogue does
+    (qtensor_kernels/gemm.py). With 4, the product as it is."""
+    if GROUP_SCALES == 4:
+        return acc
     if GROUP_SCALES == 1:
         return acc * _tensor_scale(a_scale_ptr + group, A_AMAX_MAX)
     if GROUP_SCALES == 2:
@@ -45,10 +51,30 @@ def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group
 
 
 @triton.jit
+def _tile(ptr, outer, inner, ok, stride_outer, stride_inner, blocks_ptr, blocks_outer, blocks_inner, MX: tl.constexpr):
+    """A [len(outer), len(inner)] tile of an operand, the reduction along `inner`, as the dot takes
+    it: the values as stored (FP8 codes, bf16 values), or with MX (1: E4M3, 2: E5M2) MXFP8 codes
+    times their blocks' E8M0 scales (`blocks`, one per 32 along the reduction), the fp32 product
+    rounded once to bf16, as mxfp8.dequantize rounds it: the values a bf16 copy would hold."""
+    pointers = ptr + outer[:, None] * stride_outer + inner[None, :] * stride_inner
+    if MX == 0:
+        return tl.load(pointers, mask=ok, other=0.0)
+    raw = tl.load(pointers, mask=ok, other=0)
+    codes = tl.load(blocks_ptr + outer[:, None] * blocks_outer + (inner // 32)[None, :] * blocks_inner, mask=ok, other=127)
+    if MX == 1:
+        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        values = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+    return (values * _decode(codes.to(tl.int32))).to(tl.bfloat16)
+
+
+@triton.jit
 def _rows_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K, stride_am, stride_be, stride_bn, stride_om,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_om,
+    a_blocks_ptr, a_blocks_m, a_blocks_k, b_blocks_ptr, b_blocks_e, b_blocks_n, b_blocks_k,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
-    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr,
+    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr, A_MX: tl.constexpr, B_MX: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, column_tile = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
@@ -66,12 +92,14 @@ def _rows_kernel(
     offs_m = tl.sum(tl.where(this, starts, 0), 0) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < row_end, offs_n < N
-    b_rows = b_ptr + group.to(tl.int64) * stride_be + offs_n[:, None].to(tl.int64) * stride_bn
+    b_expert = b_ptr + group.to(tl.int64) * stride_be
+    b_expert_blocks = b_blocks_ptr + group.to(tl.int64) * b_blocks_e
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        k_ok = offs_k[None, :] < K
+        a = _tile(a_ptr, offs_m, offs_k, m_ok[:, None] & k_ok, stride_am, stride_ak, a_blocks_ptr, a_blocks_m, a_blocks_k, A_MX)
+        b = _tile(b_expert, offs_n.to(tl.int64), offs_k, n_ok[:, None] & k_ok, stride_bn, stride_bk, b_expert_blocks, b_blocks_n, b_blocks_k, B_MX)
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
     out = _epilogue(acc, a_scale_ptr, offs_m, m_ok, b_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -79,9 +107,12 @@ def _rows_kernel(
 
 @triton.jit
 def _columns_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K, R,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K,
+    stride_an, stride_ar, stride_bk, stride_br,
+    a_blocks_ptr, a_blocks_n, a_blocks_r, b_blocks_ptr, b_blocks_k, b_blocks_r,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr,
     GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr, ROUND_BF16: tl.constexpr,
+    A_MX: tl.constexpr, B_MX: tl.constexpr,
 ):
     tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     per_group = tiles_n * tiles_k
@@ -95,14 +126,13 @@ def _columns_kernel(
     # Runs of whole 16s (the callers' padding): 16-byte vectors along them, which masks at a run's
     # end would otherwise break into single bytes.
     run_start = tl.multiple_of(run_start, 16)
-    a_rows = a_ptr + offs_n.to(tl.int64)[:, None] * R + run_start
-    b_rows = b_ptr + offs_k.to(tl.int64)[:, None] * R + run_start
     length = tl.multiple_of((run_end - run_start).to(tl.int32), 16)
     for r0 in range(0, length, BLOCK_R):  # an int32 count from 0, which the pipeliner takes
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < length
-        a = tl.load(a_rows + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        b = tl.load(b_rows + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        r_ok = offs_r[None, :] < length
+        run = run_start + offs_r
+        a = _tile(a_ptr, offs_n.to(tl.int64), run, n_ok[:, None] & r_ok, stride_an, stride_ar, a_blocks_ptr, a_blocks_n, a_blocks_r, A_MX)
+        b = _tile(b_ptr, offs_k.to(tl.int64), run, k_ok[:, None] & r_ok, stride_bk, stride_br, b_blocks_ptr, b_blocks_k, b_blocks_r, B_MX)
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
     out = _epilogue(acc, a_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, b_scale_ptr, group.to(tl.int64) * K + offs_k, k_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     if ROUND_BF16:  # rounded to bf16, stored wider (a weight gradient in its parameter's dtype): no pass to convert it
@@ -116,49 +146,53 @@ def _columns_kernel(
 TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16 rows": (128, 256, 64, 8, 3), "bf16 columns": (256, 128, 64, 8, 3)}
 
 
-def _scales(a_scale, b_scale):
+def _scales(a_scale, b_scale, some: torch.Tensor):
     """(pointer of A's, of B's, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX) of two per-group TensorScales
-    (each [G] and its amax_max, or None; not both)."""
-    mode = (a_scale is not None) + 2 * (b_scale is not None)
-    some = (a_scale or b_scale).tensor
+    (each [G] and its amax_max, or None: neither gives the product as it is)."""
+    mode = (a_scale is not None) + 2 * (b_scale is not None) or 4
     return ((a_scale.tensor if a_scale else some), (b_scale.tensor if b_scale else some), mode,
             (a_scale.amax_max or 0.0) if a_scale else 0.0, (b_scale.amax_max or 0.0) if b_scale else 0.0)
 
 
-def _rows(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile):
-    """C [M, N] = rows of group e of A [M, K] times B_eᵀ, B [E, N, K] with K contiguous (any strides
-    along E and N), then the epilogue's factors (`group_scales`: (GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX))."""
+def _rows(a: KernelOperand, a_scale, b: KernelOperand, b_scale, ends, out_dtype, imprecise, group_scales, tile):
+    """C [M, N] = rows of group e of A [M, K] times B_eᵀ, B [E, N, K] (any strides), then the
+    epilogue's factors (`group_scales`: (GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX))."""
     (m, k), (experts, n, _) = a.shape, b.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.tensor.device)
     block_m, block_n, block_k, warps, stages = tile
     mode, a_max, b_max = group_scales
     if m and n:
+        (a_tensor, *a_strides), a_blocks = a.arguments()
+        (b_tensor, *b_strides), b_blocks = b.arguments()
         grid = ((triton.cdiv(m, block_m) + experts) * triton.cdiv(n, block_n),)
         launch(
-            _rows_kernel, grid, a, a_scale, b, b_scale, out, ends, experts, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-            E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max, num_warps=warps, num_stages=stages,
+            _rows_kernel, grid, a_tensor, a_scale, b_tensor, b_scale, out, ends, experts, n, k, *a_strides, *b_strides, out.stride(0),
+            *a_blocks, *b_blocks, E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max, A_MX=a.mx, B_MX=b.mx,
+            num_warps=warps, num_stages=stages,
         )
     return out
 
 
-def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile, stored_dtype=None):
-    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for row-major A [N, R] and B [K, R], then the
-    epilogue's factors, rounded to `out_dtype` and stored as `stored_dtype` (default: the same);
+def _columns(a: KernelOperand, a_scale, b: KernelOperand, b_scale, ends, out_dtype, imprecise, group_scales, tile, stored_dtype=None):
+    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for A [N, R] and B [K, R] (any strides), then
+    the epilogue's factors, rounded to `out_dtype` and stored as `stored_dtype` (default: the same);
     a group with an empty run gets zeros."""
-    (n, r), k, experts = a.shape, b.shape[0], ends.shape[0]
+    (n, _), k, experts = a.shape, b.shape[0], ends.shape[0]
     stored_dtype = stored_dtype or out_dtype
     if out_dtype not in (stored_dtype, torch.bfloat16):
         raise ValueError(f"grouped_mm: a product rounded to {out_dtype} is stored in its own dtype, not {stored_dtype}.")
-    out = torch.empty((experts, n, k), dtype=stored_dtype, device=a.device)
+    out = torch.empty((experts, n, k), dtype=stored_dtype, device=a.tensor.device)
     block_n, block_k, block_r, warps, stages = tile
     mode, a_max, b_max = group_scales
     if experts and n and k:
+        (a_tensor, *a_strides), a_blocks = a.arguments()
+        (b_tensor, *b_strides), b_blocks = b.arguments()
         grid = (experts * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
         launch(
-            _columns_kernel, grid, a, a_scale, b, b_scale, out, ends, n, k, r,
+            _columns_kernel, grid, a_tensor, a_scale, b_tensor, b_scale, out, ends, n, k, *a_strides, *b_strides, *a_blocks, *b_blocks,
             BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max,
-            ROUND_BF16=out_dtype != stored_dtype, num_warps=warps, num_stages=stages,
+            ROUND_BF16=out_dtype != stored_dtype, A_MX=a.mx, B_MX=b.mx, num_warps=warps, num_stages=stages,
         )
     return out
 
@@ -171,7 +205,7 @@ def float8_rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumula
     factors [E, N]), summed on the FP8 tensor cores (promoted to fp32 after each BLOCK_K of the
     reduction unless `fast_accumulation`), times both rows' factors, rounded once to `out_dtype`."""
     tile = tile or TILES[fast_accumulation]
-    return _rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
+    return _rows(KernelOperand.of(a_data), a_scale, KernelOperand.of(b_data), b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
 
 
 def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None, stored_dtype=None):
@@ -179,22 +213,29 @@ def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accum
     per group and row, [E, N] and [E, K]), rounded to `out_dtype`, stored as `stored_dtype` (default:
     the same); a group with an empty run gets zeros."""
     tile = tile or TILES[fast_accumulation]
-    return _columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile, stored_dtype)
+    return _columns(KernelOperand.of(a_data), a_scale, KernelOperand.of(b_data), b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile, stored_dtype)
+
+
+def _operand(x) -> KernelOperand:
+    return x if isinstance(x, KernelOperand) else KernelOperand.of(x)
 
 
 def bf16_rows(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
-    """C [M, N]: rows of group e of A [M, K] times B_eᵀ (B [E, N, K], K contiguous), bf16 values
-    summed in fp32 on the bf16 tensor cores, times group e's tensor scales (`a_scale`, `b_scale`:
-    per-group TensorScales, either None), rounded once to `out_dtype`."""
-    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale)
+    """C [M, N]: rows of group e of A [M, K] times B_eᵀ (B [E, N, K]), bf16 values summed in fp32
+    on the bf16 tensor cores, times group e's tensor scales (`a_scale`, `b_scale`: per-group
+    TensorScales, either or both None), rounded once to `out_dtype`. Either operand may be a
+    tensor of bf16 values or a `KernelOperand` (MXFP8 codes the kernel decodes as it reads them)."""
+    a, b = _operand(a), _operand(b)
+    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a.tensor)
     return _rows(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 rows"])
 
 
 def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None, stored_dtype=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ of bf16 values (A [N, R], B [K, R], runs of
     whole 16s), summed in fp32, times group e's tensor scales, rounded once to `out_dtype`, stored
-    as `stored_dtype` (default: the same); an empty run gives zeros."""
-    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale)
+    as `stored_dtype` (default: the same); an empty run gives zeros. Operands as `bf16_rows`'."""
+    a, b = _operand(a), _operand(b)
+    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a.tensor)
     return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 columns"], stored_dtype)
 
 

@@ -156,3 +156,50 @@ def test_grouped_bf16_columns_kernel_scales_each_groups_product_by_its_tensor_sc
             assert torch.equal(out[expert], torch.zeros_like(out[expert]))
             continue
         within(out[expert].float(), a[:, start:end].float() * factor[expert], b[:, start:end].float().t(), "bf16", out_dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_grouped_bf16_kernels_decode_mxfp8_codes_as_they_read_them(fp8_dtype):
+    """MXFP8 copies handed to the bf16 kernels as codes and E8M0 scale codes (`decoded_operand`):
+    each product equals, bit for bit, the same kernel's over the copies' dequantized bf16 values,
+    and the float64 product of those values within fp32 accumulation's bound. fprop over a
+    rowwise stack, dgrad over a columnwise stack split along its reduction, wgrad over two
+    columnwise copies in runs of whole blocks (an empty one among them), stored as fp32."""
+    from qtensor.formats.mxfp8 import MXFP8Quantizer
+
+    quantizer = MXFP8Quantizer(fp8_dtype)
+    lengths, experts, n, k = (37, 0, 130, 64), 4, 96, 160
+    ends = torch.tensor(lengths, device="cuda").cumsum(0).to(torch.int32)
+    bounds = list(zip([0, *ends.tolist()], ends.tolist()))
+    x, grad = bf16_values(sum(lengths), k, seed=11), bf16_values(sum(lengths), n, seed=12)
+    weights = quantizer.quantize(bf16_values(experts * n, k, seed=13))
+    rows, cols = lookup("grouped_mm.bf16_rows", x), lookup("grouped_mm.bf16_columns", x)
+    values = lambda storage: storage.dequantize_as(torch.bfloat16)
+
+    x_row, g_row = quantizer.quantize(x, columnwise=False).storage_for("rowwise"), quantizer.quantize(grad, columnwise=False).storage_for("rowwise")
+    w_row, w_col = weights.storage_for("rowwise"), weights.storage_for("columnwise")
+    out = rows(x_row.decoded_operand(), w_row.decoded_operand().experts(experts, False), None, None, ends, torch.float32)
+    w = values(w_row).view(experts, n, k)
+    assert torch.equal(out, rows(values(x_row), w, None, None, ends, torch.float32))
+    for expert, (start, end) in enumerate(bounds):
+        within(out[start:end], values(x_row)[start:end].float(), w[expert].float().t(), "bf16", torch.float32)
+
+    out = rows(g_row.decoded_operand(), w_col.decoded_operand().experts(experts, True), None, None, ends, torch.bfloat16)
+    w = values(w_col).view(experts, n, k)  # W_e [n, k], blocks down its n rows
+    assert torch.equal(out, rows(values(g_row), w.transpose(1, 2).contiguous(), None, None, ends, torch.bfloat16))
+    for expert, (start, end) in enumerate(bounds):
+        within(out[start:end], values(g_row)[start:end].float(), w[expert].float(), "bf16", torch.bfloat16)
+
+    runs = (64, 0, 160, 32)  # each group's rows run on to whole blocks of 32
+    run_ends = torch.tensor(runs, device="cuda").cumsum(0).to(torch.int32)
+    g_col = quantizer.quantize(bf16_values(sum(runs), n, seed=14), rowwise=False).storage_for("columnwise")
+    x_col = quantizer.quantize(bf16_values(sum(runs), k, seed=15), rowwise=False).storage_for("columnwise")
+    out = cols(g_col.decoded_operand(), x_col.decoded_operand(), None, None, run_ends, torch.bfloat16, stored_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    g, xv = values(g_col), values(x_col)
+    assert torch.equal(out, cols(g.t().contiguous(), xv.t().contiguous(), None, None, run_ends, torch.bfloat16).float())
+    for expert, (start, end) in enumerate(zip([0, *run_ends.tolist()], run_ends.tolist())):
+        if end == start:
+            assert torch.equal(out[expert], torch.zeros_like(out[expert]))
+            continue
+        within(out[expert], g[start:end].float().t(), xv[start:end].float(), "bf16", torch.bfloat16)

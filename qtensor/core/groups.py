@@ -125,3 +125,44 @@ class GroupedCopy(NamedTuple):
         if scale is None:
             return values, None
         return values, type(scale)(self.group_scales if self.group_scales is not None else scale.tensor.reshape(1), scale.amax_max)
+
+
+class KernelOperand(NamedTuple):
+    """An operand of the grouped bf16 kernels (qtensor_kernels/grouped_mm.py) as they read it:
+    `tensor`, and the shape and strides of the GEMM's view of it, the reduction last ((rows,
+    reduction); a stack's (expert, rows, reduction)). With `mx` (1: E4M3, 2: E5M2) `tensor` holds
+    MXFP8 codes and `blocks` their E8M0 scale codes, one per 32 along the reduction, with
+    `block_strides` by the same dimensions (the reduction's per block of 32): the kernel decodes
+    them as it reads them, to the bf16 values a dequantized copy would hold."""
+
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    blocks: torch.Tensor | None = None
+    block_strides: tuple[int, ...] = (0, 0, 0)
+    mx: int = 0
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "KernelOperand":
+        return cls(tensor, tuple(tensor.shape), tensor.stride())
+
+    def experts(self, count: int, along_reduction: bool) -> "KernelOperand":
+        """This 2-D operand, the matrices of `count` experts one after another along its rows or
+        along its reduction, as a stack [count, rows, reduction]."""
+        (rows, reduction), (row_stride, step), (block_row, block_step) = self.shape, self.strides, self.block_strides[:2]
+        if along_reduction:
+            per = reduction // count
+            return self._replace(shape=(count, rows, per), strides=(per * step, row_stride, step),
+                                 block_strides=(per // 32 * block_step, block_row, block_step))
+        per = rows // count
+        return self._replace(shape=(count, per, reduction), strides=(per * row_stride, row_stride, step),
+                             block_strides=(per * block_row, block_row, block_step))
+
+    def arguments(self):
+        """((tensor, its strides...), (blocks, their strides...)) for a kernel (`tensor` for blocks where none)."""
+        if self.mx:
+            tensor, blocks = self.tensor.view(torch.uint8), self.blocks.view(torch.uint8)
+        else:
+            tensor, blocks = self.tensor, self.tensor
+        dims = len(self.strides)
+        return (tensor, *self.strides), (blocks, *(tuple(self.block_strides) + (0, 0, 0))[:dims])
