@@ -12,7 +12,11 @@ Also prints the kernel's largest difference from torch's split product (same cod
 With `--bf16`, the bf16 grouped GEMMs instead (NVFP4's values with each group's tensor scales in
 the epilogue): torch's bf16 grouped GEMM against qtensor's `bf16_rows` / `bf16_columns`.
 
-    python benchmarks/bench_grouped_mm.py [--sweep] [--bf16]
+With `--mxfp8`, MXFP8 copies (as the experts' grouped path holds them): torch's bf16 grouped GEMM
+over bf16 operands, the copies dequantized then torch's grouped GEMM, and qtensor's bf16 kernels
+reading the codes and decoding them as they load (`decoded_operand`).
+
+    python benchmarks/bench_grouped_mm.py [--sweep] [--bf16 | --mxfp8]
 """
 
 import argparse
@@ -31,9 +35,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every tile of FLOAT8_SWEEP (BF16_SWEEP)")
     parser.add_argument("--bf16", action="store_true", help="the bf16 grouped GEMMs with a factor per group")
+    parser.add_argument("--mxfp8", action="store_true", help="the bf16 grouped GEMMs decoding MXFP8 codes")
     args = parser.parse_args()
     registered()
-    (bf16 if args.bf16 else float8)(args.sweep)
+    (bf16 if args.bf16 else mxfp8 if args.mxfp8 else float8)(args.sweep)
 
 
 BF16_SWEEP = [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 5), (64, 128, 64, 4, 4)]
@@ -67,6 +72,50 @@ def bf16(sweep: bool):
                     print(f"{name:10} {gemm_name:6} {'kernel ' + str(tile):34} failed: {type(error).__name__}")
                     continue
                 print(f"{name:10} {gemm_name:6} {'kernel ' + str(tile or 'default'):34} {ms:8.3f} {base / ms:7.2f}")
+
+
+MXFP8_SWEEP = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4)]
+
+
+def mxfp8(sweep: bool):
+    from qtensor.formats.mxfp8 import MXFP8Quantizer
+    from qtensor_kernels import grouped_mm
+
+    experts, hidden, width, rows = 128, 2048, 768, 131072
+    ends = torch.tensor([rows // experts] * experts, device="cuda").cumsum(0).to(torch.int32)
+    quantizer = MXFP8Quantizer()
+    copy = lambda *shape, direction: quantizer.quantize(torch.randn(*shape, device="cuda", dtype=torch.bfloat16)).storage_for(direction)
+    values = lambda storage: storage.dequantize_as(torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; MXFP8 copies, median ms of 20 calls")
+    print(f"{'stack':10} {'gemm':6} {'system':34} {'ms':>8} {'x bf16':>7}")
+    for name, (n, k) in {"gate_up": (2 * width, hidden), "down": (hidden, width)}.items():
+        x_row, g_row = copy(rows, k, direction="rowwise"), copy(rows, n, direction="rowwise")
+        w_row, w_col = copy(experts * n, k, direction="rowwise"), copy(experts * n, k, direction="columnwise")
+        g_col, x_col = copy(rows, n, direction="columnwise"), copy(rows, k, direction="columnwise")
+        x16, g16, w16 = values(x_row), values(g_row), values(w_row).view(experts, n, k)
+        cases = {  # (torch over bf16 operands, dequantized then torch, qtensor's kernel decoding the codes)
+            "fprop": (lambda: torch._grouped_mm(x16, w16.transpose(-2, -1), offs=ends),
+                      lambda: torch._grouped_mm(values(x_row), values(w_row).view(experts, n, k).transpose(-2, -1), offs=ends),
+                      lambda tile: grouped_mm.bf16_rows(x_row.decoded_operand(), w_row.decoded_operand().experts(experts, False), None, None, ends, torch.bfloat16, tile)),
+            "dgrad": (lambda: torch._grouped_mm(g16, w16, offs=ends),
+                      lambda: torch._grouped_mm(values(g_row), values(w_col).view(experts, n, k), offs=ends),
+                      lambda tile: grouped_mm.bf16_rows(g_row.decoded_operand(), w_col.decoded_operand().experts(experts, True), None, None, ends, torch.bfloat16, tile)),
+            "wgrad": (lambda: torch._grouped_mm(g16.t(), x16, offs=ends),
+                      lambda: torch._grouped_mm(values(g_col).t(), values(x_col), offs=ends).float(),
+                      lambda tile: grouped_mm.bf16_columns(g_col.decoded_operand(), x_col.decoded_operand(), None, None, ends, torch.bfloat16, tile, stored_dtype=torch.float32)),
+        }
+        for gemm_name, (torch_bf16, dequantized, kernel) in cases.items():
+            base = median_ms(torch_bf16)
+            print(f"{name:10} {gemm_name:6} {'torch bf16':34} {base:8.3f} {1.0:7.2f}")
+            ms = median_ms(dequantized)
+            print(f"{name:10} {gemm_name:6} {'dequantized, torch' + (' (+ fp32)' if gemm_name == 'wgrad' else ''):34} {ms:8.3f} {base / ms:7.2f}")
+            for tile in MXFP8_SWEEP if sweep else [None]:
+                try:
+                    ms = median_ms(lambda: kernel(tile))
+                except Exception as error:  # a tile the compiler refuses (shared memory)
+                    print(f"{name:10} {gemm_name:6} {'decoding ' + str(tile):34} failed: {type(error).__name__}")
+                    continue
+                print(f"{name:10} {gemm_name:6} {'decoding ' + str(tile or 'default'):34} {ms:8.3f} {base / ms:7.2f}")
 
 
 FLOAT8_SWEEP = {

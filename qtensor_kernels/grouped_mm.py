@@ -51,21 +51,27 @@ def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group
 
 
 @triton.jit
-def _tile(ptr, outer, inner, ok, stride_outer, stride_inner, blocks_ptr, blocks_outer, blocks_inner, MX: tl.constexpr):
-    """A [len(outer), len(inner)] tile of an operand, the reduction along `inner`, as the dot takes
-    it: the values as stored (FP8 codes, bf16 values), or with MX (1: E4M3, 2: E5M2) MXFP8 codes
-    times their blocks' E8M0 scales (`blocks`, one per 32 along the reduction), the fp32 product
-    rounded once to bf16, as mxfp8.dequantize rounds it: the values a bf16 copy would hold."""
+def _tile(ptr, outer, outer_ok, start, limit, stride_outer, stride_inner, blocks_ptr, blocks_outer, blocks_inner,
+          INNER: tl.constexpr, MX: tl.constexpr):
+    """The [len(outer), INNER] tile of an operand from `start` along the reduction (valid below
+    `limit`), as the dot takes it: the values as stored (FP8 codes, bf16 values), or with MX (1:
+    E4M3, 2: E5M2; INNER 32, one block) MXFP8 codes times their block's E8M0 scale, one per row of
+    the tile, the fp32 product rounded once to bf16 as mxfp8.dequantize rounds it: the values a
+    bf16 copy would hold."""
+    inner = start + tl.arange(0, INNER)
+    ok = outer_ok[:, None] & (inner[None, :] < limit)
     pointers = ptr + outer[:, None] * stride_outer + inner[None, :] * stride_inner
     if MX == 0:
-        return tl.load(pointers, mask=ok, other=0.0)
-    raw = tl.load(pointers, mask=ok, other=0)
-    codes = tl.load(blocks_ptr + outer[:, None] * blocks_outer + (inner // 32)[None, :] * blocks_inner, mask=ok, other=127)
-    if MX == 1:
-        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        tile = tl.load(pointers, mask=ok, other=0.0)
     else:
-        values = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
-    return (values * _decode(codes.to(tl.int32))).to(tl.bfloat16)
+        raw = tl.load(pointers, mask=ok, other=0)
+        codes = tl.load(blocks_ptr + outer * blocks_outer + (start // 32) * blocks_inner, mask=outer_ok, other=127)
+        if MX == 1:
+            values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            values = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+        tile = (values * _decode(codes.to(tl.int32))[:, None]).to(tl.bfloat16)
+    return tile
 
 
 @triton.jit
@@ -75,6 +81,7 @@ def _rows_kernel(
     a_blocks_ptr, a_blocks_m, a_blocks_k, b_blocks_ptr, b_blocks_e, b_blocks_n, b_blocks_k,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
     GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr, A_MX: tl.constexpr, B_MX: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, column_tile = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
@@ -96,11 +103,10 @@ def _rows_kernel(
     b_expert_blocks = b_blocks_ptr + group.to(tl.int64) * b_blocks_e
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k[None, :] < K
-        a = _tile(a_ptr, offs_m, offs_k, m_ok[:, None] & k_ok, stride_am, stride_ak, a_blocks_ptr, a_blocks_m, a_blocks_k, A_MX)
-        b = _tile(b_expert, offs_n.to(tl.int64), offs_k, n_ok[:, None] & k_ok, stride_bn, stride_bk, b_expert_blocks, b_blocks_n, b_blocks_k, B_MX)
-        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
+        for j in tl.static_range(0, BLOCK_K, STEP):
+            a = _tile(a_ptr, offs_m, m_ok, k0 + j, K, stride_am, stride_ak, a_blocks_ptr, a_blocks_m, a_blocks_k, STEP, A_MX)
+            b = _tile(b_expert, offs_n.to(tl.int64), n_ok, k0 + j, K, stride_bn, stride_bk, b_expert_blocks, b_blocks_n, b_blocks_k, STEP, B_MX)
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
     out = _epilogue(acc, a_scale_ptr, offs_m, m_ok, b_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -112,7 +118,7 @@ def _columns_kernel(
     a_blocks_ptr, a_blocks_n, a_blocks_r, b_blocks_ptr, b_blocks_k, b_blocks_r,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr,
     GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr, ROUND_BF16: tl.constexpr,
-    A_MX: tl.constexpr, B_MX: tl.constexpr,
+    A_MX: tl.constexpr, B_MX: tl.constexpr, STEP: tl.constexpr,
 ):
     tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     per_group = tiles_n * tiles_k
@@ -128,12 +134,12 @@ def _columns_kernel(
     run_start = tl.multiple_of(run_start, 16)
     length = tl.multiple_of((run_end - run_start).to(tl.int32), 16)
     for r0 in range(0, length, BLOCK_R):  # an int32 count from 0, which the pipeliner takes
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r[None, :] < length
-        run = run_start + offs_r
-        a = _tile(a_ptr, offs_n.to(tl.int64), run, n_ok[:, None] & r_ok, stride_an, stride_ar, a_blocks_ptr, a_blocks_n, a_blocks_r, A_MX)
-        b = _tile(b_ptr, offs_k.to(tl.int64), run, k_ok[:, None] & r_ok, stride_bk, stride_br, b_blocks_ptr, b_blocks_k, b_blocks_r, B_MX)
-        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
+        for j in tl.static_range(0, BLOCK_R, STEP):
+            a = _tile(a_ptr + run_start * stride_ar, offs_n.to(tl.int64), n_ok, r0 + j, length, stride_an, stride_ar,
+                      a_blocks_ptr + run_start // 32 * a_blocks_r, a_blocks_n, a_blocks_r, STEP, A_MX)
+            b = _tile(b_ptr + run_start * stride_br, offs_k.to(tl.int64), k_ok, r0 + j, length, stride_bk, stride_br,
+                      b_blocks_ptr + run_start // 32 * b_blocks_r, b_blocks_k, b_blocks_r, STEP, B_MX)
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
     out = _epilogue(acc, a_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, b_scale_ptr, group.to(tl.int64) * K + offs_k, k_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     if ROUND_BF16:  # rounded to bf16, stored wider (a weight gradient in its parameter's dtype): no pass to convert it
         out = out.to(tl.bfloat16)
@@ -143,7 +149,8 @@ def _columns_kernel(
 # (BLOCK_M or BLOCK_N, BLOCK_N or BLOCK_K, BLOCK_K or BLOCK_R, warps, stages): FP8 by fast
 # accumulation, and bf16 by product, the fastest of benchmarks/bench_grouped_mm.py --sweep (--bf16)
 # on an H100 at the Qwen3-like shapes.
-TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16 rows": (128, 256, 64, 8, 3), "bf16 columns": (256, 128, 64, 8, 3)}
+TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16 rows": (128, 256, 64, 8, 3), "bf16 columns": (256, 128, 64, 8, 3),
+         "mxfp8 rows": (128, 256, 64, 8, 3), "mxfp8 columns": (256, 128, 64, 8, 3)}
 
 
 def _scales(a_scale, b_scale, some: torch.Tensor):
@@ -152,6 +159,12 @@ def _scales(a_scale, b_scale, some: torch.Tensor):
     mode = (a_scale is not None) + 2 * (b_scale is not None) or 4
     return ((a_scale.tensor if a_scale else some), (b_scale.tensor if b_scale else some), mode,
             (a_scale.amax_max or 0.0) if a_scale else 0.0, (b_scale.amax_max or 0.0) if b_scale else 0.0)
+
+
+def _step(a: KernelOperand, b: KernelOperand, block: int) -> int:
+    """How much of the reduction each dot takes: MXFP8 codes one block of 32 at a time (each tile
+    then has one scale per row), else the whole BLOCK_K."""
+    return 32 if a.mx or b.mx else block
 
 
 def _rows(a: KernelOperand, a_scale, b: KernelOperand, b_scale, ends, out_dtype, imprecise, group_scales, tile):
@@ -169,7 +182,7 @@ def _rows(a: KernelOperand, a_scale, b: KernelOperand, b_scale, ends, out_dtype,
             _rows_kernel, grid, a_tensor, a_scale, b_tensor, b_scale, out, ends, experts, n, k, *a_strides, *b_strides, out.stride(0),
             *a_blocks, *b_blocks, E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max, A_MX=a.mx, B_MX=b.mx,
-            num_warps=warps, num_stages=stages,
+            STEP=_step(a, b, block_k), num_warps=warps, num_stages=stages,
         )
     return out
 
@@ -192,7 +205,7 @@ def _columns(a: KernelOperand, a_scale, b: KernelOperand, b_scale, ends, out_dty
         launch(
             _columns_kernel, grid, a_tensor, a_scale, b_tensor, b_scale, out, ends, n, k, *a_strides, *b_strides, *a_blocks, *b_blocks,
             BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max,
-            ROUND_BF16=out_dtype != stored_dtype, A_MX=a.mx, B_MX=b.mx, num_warps=warps, num_stages=stages,
+            ROUND_BF16=out_dtype != stored_dtype, A_MX=a.mx, B_MX=b.mx, STEP=_step(a, b, block_r), num_warps=warps, num_stages=stages,
         )
     return out
 
@@ -227,7 +240,7 @@ def bf16_rows(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
     tensor of bf16 values or a `KernelOperand` (MXFP8 codes the kernel decodes as it reads them)."""
     a, b = _operand(a), _operand(b)
     a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a.tensor)
-    return _rows(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 rows"])
+    return _rows(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["mxfp8 rows" if a.mx or b.mx else "bf16 rows"])
 
 
 def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None, stored_dtype=None):
@@ -236,7 +249,7 @@ def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None, stored_dtyp
     as `stored_dtype` (default: the same); an empty run gives zeros. Operands as `bf16_rows`'."""
     a, b = _operand(a), _operand(b)
     a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a.tensor)
-    return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 columns"], stored_dtype)
+    return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["mxfp8 columns" if a.mx or b.mx else "bf16 columns"], stored_dtype)
 
 
 # Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
