@@ -12,9 +12,10 @@ Also prints the kernel's largest difference from torch's split product (same cod
 With `--bf16`, the bf16 grouped GEMMs instead (NVFP4's values with each group's tensor scales in
 the epilogue): torch's bf16 grouped GEMM against qtensor's `bf16_rows` / `bf16_columns`.
 
-With `--mxfp8`, MXFP8 copies (as the experts' grouped path holds them): torch's bf16 grouped GEMM
-over bf16 operands, the copies dequantized then torch's grouped GEMM, and qtensor's bf16 kernels
-reading the codes and decoding them as they load (`decoded_operand`).
+With `--mxfp8`, the GEMMs over MXFP8 copies as the experts' grouped path runs them: each copy
+dequantized to bf16, then torch's bf16 grouped GEMM; wgrad's product stored in fp32 (an fp32
+stack's gradient) by a conversion pass after torch's, or by qtensor's `bf16_columns`, which reads
+the columnwise copies' values in place (any strides) and stores the rounded product as fp32.
 
     python benchmarks/bench_grouped_mm.py [--sweep] [--bf16 | --mxfp8]
 """
@@ -74,9 +75,6 @@ def bf16(sweep: bool):
                 print(f"{name:10} {gemm_name:6} {'kernel ' + str(tile or 'default'):34} {ms:8.3f} {base / ms:7.2f}")
 
 
-MXFP8_SWEEP = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4)]
-
-
 def mxfp8(sweep: bool):
     from qtensor.formats.mxfp8 import MXFP8Quantizer
     from qtensor_kernels import grouped_mm
@@ -87,35 +85,28 @@ def mxfp8(sweep: bool):
     copy = lambda *shape, direction: quantizer.quantize(torch.randn(*shape, device="cuda", dtype=torch.bfloat16)).storage_for(direction)
     values = lambda storage: storage.dequantize_as(torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; MXFP8 copies, median ms of 20 calls")
-    print(f"{'stack':10} {'gemm':6} {'system':34} {'ms':>8} {'x bf16':>7}")
+    print(f"{'stack':10} {'gemm':6} {'system':40} {'ms':>8} {'x bf16':>7}")
     for name, (n, k) in {"gate_up": (2 * width, hidden), "down": (hidden, width)}.items():
         x_row, g_row = copy(rows, k, direction="rowwise"), copy(rows, n, direction="rowwise")
         w_row, w_col = copy(experts * n, k, direction="rowwise"), copy(experts * n, k, direction="columnwise")
         g_col, x_col = copy(rows, n, direction="columnwise"), copy(rows, k, direction="columnwise")
         x16, g16, w16 = values(x_row), values(g_row), values(w_row).view(experts, n, k)
-        cases = {  # (torch over bf16 operands, dequantized then torch, qtensor's kernel decoding the codes)
+        cases = {  # torch over bf16 operands; the copies dequantized, then ...
             "fprop": (lambda: torch._grouped_mm(x16, w16.transpose(-2, -1), offs=ends),
-                      lambda: torch._grouped_mm(values(x_row), values(w_row).view(experts, n, k).transpose(-2, -1), offs=ends),
-                      lambda tile: grouped_mm.bf16_rows(x_row.decoded_operand(), w_row.decoded_operand().experts(experts, False), None, None, ends, torch.bfloat16, tile)),
+                      {"torch": lambda: torch._grouped_mm(values(x_row), values(w_row).view(experts, n, k).transpose(-2, -1), offs=ends)}),
             "dgrad": (lambda: torch._grouped_mm(g16, w16, offs=ends),
-                      lambda: torch._grouped_mm(values(g_row), values(w_col).view(experts, n, k), offs=ends),
-                      lambda tile: grouped_mm.bf16_rows(g_row.decoded_operand(), w_col.decoded_operand().experts(experts, True), None, None, ends, torch.bfloat16, tile)),
-            "wgrad": (lambda: torch._grouped_mm(g16.t(), x16, offs=ends),
-                      lambda: torch._grouped_mm(values(g_col).t(), values(x_col), offs=ends).float(),
-                      lambda tile: grouped_mm.bf16_columns(g_col.decoded_operand(), x_col.decoded_operand(), None, None, ends, torch.bfloat16, tile, stored_dtype=torch.float32)),
+                      {"torch": lambda: torch._grouped_mm(values(g_row), values(w_col).view(experts, n, k), offs=ends)}),
+            "wgrad": (lambda: torch._grouped_mm(g16.t(), x16, offs=ends), {
+                "torch, then to fp32": lambda: torch._grouped_mm(values(g_col).t(), values(x_col), offs=ends).float(),
+                "bf16_columns, stored fp32": lambda: grouped_mm.bf16_columns(values(g_col).t(), values(x_col).t(), None, None, ends, torch.bfloat16, stored_dtype=torch.float32),
+            }),
         }
-        for gemm_name, (torch_bf16, dequantized, kernel) in cases.items():
+        for gemm_name, (torch_bf16, systems) in cases.items():
             base = median_ms(torch_bf16)
-            print(f"{name:10} {gemm_name:6} {'torch bf16':34} {base:8.3f} {1.0:7.2f}")
-            ms = median_ms(dequantized)
-            print(f"{name:10} {gemm_name:6} {'dequantized, torch' + (' (+ fp32)' if gemm_name == 'wgrad' else ''):34} {ms:8.3f} {base / ms:7.2f}")
-            for tile in MXFP8_SWEEP if sweep else [None]:
-                try:
-                    ms = median_ms(lambda: kernel(tile))
-                except Exception as error:  # a tile the compiler refuses (shared memory)
-                    print(f"{name:10} {gemm_name:6} {'decoding ' + str(tile):34} failed: {type(error).__name__}")
-                    continue
-                print(f"{name:10} {gemm_name:6} {'decoding ' + str(tile or 'default'):34} {ms:8.3f} {base / ms:7.2f}")
+            print(f"{name:10} {gemm_name:6} {'torch bf16 (bf16 operands)':40} {base:8.3f} {1.0:7.2f}")
+            for system, run in systems.items():
+                ms = median_ms(run)
+                print(f"{name:10} {gemm_name:6} {'dequantized, ' + system:40} {ms:8.3f} {base / ms:7.2f}")
 
 
 FLOAT8_SWEEP = {

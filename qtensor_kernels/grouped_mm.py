@@ -22,23 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from qtensor.core.groups import KernelOperand
-
 from .gemm import _tensor_scale
-from .mxfp8 import _decode
 from .launch import launch
 
 
 @triton.jit
 def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group, GROUP_SCALES: tl.constexpr,
               A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr):
-    """The fp32 product times the rows' factors of A and of B, in that order (GROUP_SCALES 0). With
-    GROUP_SCALES 1 (A's), 2 (B's) or 3 (both) times the group's tensor scales instead, each computed
-    here from its buffer [G] as `TensorScale.value` computes it (a scale_inv, or with *_AMAX_MAX
-    NVFP4's 1/S_enc of the global amax), the two multiplied first, as the dense epilogue does
-    (qtensor_kernels/gemm.py). With 4, the product as it is."""
-    if GROUP_SCALES == 4:
-        return acc
+    """The fp32 product times the rows' factors of A and of B, in that order (GROUP_SCALES 0). With GROUP_SCALES (1: A's,
+    2: B's, 3: both) times the group's tensor scales instead, each computed here from its buffer
+    [G] as `TensorScale.value` computes it (a scale_inv, or with *_AMAX_MAX NVFP4's 1/S_enc of the
+    global amax), the two multiplied first, as the dense epilogue does (qtensor_kernels/gemm.py)."""
     if GROUP_SCALES == 1:
         return acc * _tensor_scale(a_scale_ptr + group, A_AMAX_MAX)
     if GROUP_SCALES == 2:
@@ -51,37 +45,10 @@ def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group
 
 
 @triton.jit
-def _tile(ptr, outer, outer_ok, start, limit, stride_outer, stride_inner, blocks_ptr, blocks_outer, blocks_inner,
-          INNER: tl.constexpr, MX: tl.constexpr):
-    """The [len(outer), INNER] tile of an operand from `start` along the reduction (valid below
-    `limit`), as the dot takes it: the values as stored (FP8 codes, bf16 values), or with MX (1:
-    E4M3, 2: E5M2; INNER 32, one block) MXFP8 codes times their block's E8M0 scale, one per row of
-    the tile, the fp32 product rounded once to bf16 as mxfp8.dequantize rounds it: the values a
-    bf16 copy would hold."""
-    inner = start + tl.arange(0, INNER)
-    ok = outer_ok[:, None] & (inner[None, :] < limit)
-    pointers = ptr + outer[:, None] * stride_outer + inner[None, :] * stride_inner
-    if MX == 0:
-        tile = tl.load(pointers, mask=ok, other=0.0)
-    else:
-        raw = tl.load(pointers, mask=ok, other=0)
-        codes = tl.load(blocks_ptr + outer * blocks_outer + (start // 32) * blocks_inner, mask=outer_ok, other=127)
-        if MX == 1:
-            values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            values = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
-        tile = (values * _decode(codes.to(tl.int32))[:, None]).to(tl.bfloat16)
-    return tile
-
-
-@triton.jit
 def _rows_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_om,
-    a_blocks_ptr, a_blocks_m, a_blocks_k, b_blocks_ptr, b_blocks_e, b_blocks_n, b_blocks_k,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K, stride_am, stride_be, stride_bn, stride_om,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
-    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr, A_MX: tl.constexpr, B_MX: tl.constexpr,
-    STEP: tl.constexpr,
+    GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, column_tile = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
@@ -99,26 +66,22 @@ def _rows_kernel(
     offs_m = tl.sum(tl.where(this, starts, 0), 0) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < row_end, offs_n < N
-    b_expert = b_ptr + group.to(tl.int64) * stride_be
-    b_expert_blocks = b_blocks_ptr + group.to(tl.int64) * b_blocks_e
+    b_rows = b_ptr + group.to(tl.int64) * stride_be + offs_n[:, None].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        for j in tl.static_range(0, BLOCK_K, STEP):
-            a = _tile(a_ptr, offs_m, m_ok, k0 + j, K, stride_am, stride_ak, a_blocks_ptr, a_blocks_m, a_blocks_k, STEP, A_MX)
-            b = _tile(b_expert, offs_n.to(tl.int64), n_ok, k0 + j, K, stride_bn, stride_bk, b_expert_blocks, b_blocks_n, b_blocks_k, STEP, B_MX)
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        b = tl.load(b_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
     out = _epilogue(acc, a_scale_ptr, offs_m, m_ok, b_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _columns_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K,
-    stride_an, stride_ar, stride_bk, stride_br,
-    a_blocks_ptr, a_blocks_n, a_blocks_r, b_blocks_ptr, b_blocks_k, b_blocks_r,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, N, K, stride_an, stride_ar, stride_bk, stride_br,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IMPRECISE: tl.constexpr,
     GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr, ROUND_BF16: tl.constexpr,
-    A_MX: tl.constexpr, B_MX: tl.constexpr, STEP: tl.constexpr,
 ):
     tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     per_group = tiles_n * tiles_k
@@ -132,14 +95,15 @@ def _columns_kernel(
     # Runs of whole 16s (the callers' padding): 16-byte vectors along them, which masks at a run's
     # end would otherwise break into single bytes.
     run_start = tl.multiple_of(run_start, 16)
+    a_rows = a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + run_start * stride_ar
+    b_rows = b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + run_start * stride_br
     length = tl.multiple_of((run_end - run_start).to(tl.int32), 16)
     for r0 in range(0, length, BLOCK_R):  # an int32 count from 0, which the pipeliner takes
-        for j in tl.static_range(0, BLOCK_R, STEP):
-            a = _tile(a_ptr + run_start * stride_ar, offs_n.to(tl.int64), n_ok, r0 + j, length, stride_an, stride_ar,
-                      a_blocks_ptr + run_start // 32 * a_blocks_r, a_blocks_n, a_blocks_r, STEP, A_MX)
-            b = _tile(b_ptr + run_start * stride_br, offs_k.to(tl.int64), k_ok, r0 + j, length, stride_bk, stride_br,
-                      b_blocks_ptr + run_start // 32 * b_blocks_r, b_blocks_k, b_blocks_r, STEP, B_MX)
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < length
+        a = tl.load(a_rows + offs_r[None, :] * stride_ar, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_rows + offs_r[None, :] * stride_br, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE)
     out = _epilogue(acc, a_scale_ptr, group.to(tl.int64) * N + offs_n, n_ok, b_scale_ptr, group.to(tl.int64) * K + offs_k, k_ok, group, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX)
     if ROUND_BF16:  # rounded to bf16, stored wider (a weight gradient in its parameter's dtype): no pass to convert it
         out = out.to(tl.bfloat16)
@@ -149,63 +113,51 @@ def _columns_kernel(
 # (BLOCK_M or BLOCK_N, BLOCK_N or BLOCK_K, BLOCK_K or BLOCK_R, warps, stages): FP8 by fast
 # accumulation, and bf16 by product, the fastest of benchmarks/bench_grouped_mm.py --sweep (--bf16)
 # on an H100 at the Qwen3-like shapes.
-TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16 rows": (128, 256, 64, 8, 3), "bf16 columns": (256, 128, 64, 8, 3),
-         "mxfp8 rows": (128, 256, 64, 8, 3), "mxfp8 columns": (256, 128, 64, 8, 3)}
+TILES = {False: (256, 128, 128, 8, 3), True: (128, 256, 128, 8, 3), "bf16 rows": (128, 256, 64, 8, 3), "bf16 columns": (256, 128, 64, 8, 3)}
 
 
 def _scales(a_scale, b_scale, some: torch.Tensor):
     """(pointer of A's, of B's, GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX) of two per-group TensorScales
-    (each [G] and its amax_max, or None: neither gives the product as it is)."""
+    (each [G] and its amax_max, or None; neither: the product as it is, `some` the pointers)."""
     mode = (a_scale is not None) + 2 * (b_scale is not None) or 4
     return ((a_scale.tensor if a_scale else some), (b_scale.tensor if b_scale else some), mode,
             (a_scale.amax_max or 0.0) if a_scale else 0.0, (b_scale.amax_max or 0.0) if b_scale else 0.0)
 
 
-def _step(a: KernelOperand, b: KernelOperand, block: int) -> int:
-    """How much of the reduction each dot takes: MXFP8 codes one block of 32 at a time (each tile
-    then has one scale per row), else the whole BLOCK_K."""
-    return 32 if a.mx or b.mx else block
-
-
-def _rows(a: KernelOperand, a_scale, b: KernelOperand, b_scale, ends, out_dtype, imprecise, group_scales, tile):
-    """C [M, N] = rows of group e of A [M, K] times B_eᵀ, B [E, N, K] (any strides), then the
-    epilogue's factors (`group_scales`: (GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX))."""
+def _rows(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile):
+    """C [M, N] = rows of group e of A [M, K] times B_eᵀ, B [E, N, K] with K contiguous (any strides
+    along E and N), then the epilogue's factors (`group_scales`: (GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX))."""
     (m, k), (experts, n, _) = a.shape, b.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=a.tensor.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, warps, stages = tile
     mode, a_max, b_max = group_scales
     if m and n:
-        (a_tensor, *a_strides), a_blocks = a.arguments()
-        (b_tensor, *b_strides), b_blocks = b.arguments()
         grid = ((triton.cdiv(m, block_m) + experts) * triton.cdiv(n, block_n),)
         launch(
-            _rows_kernel, grid, a_tensor, a_scale, b_tensor, b_scale, out, ends, experts, n, k, *a_strides, *b_strides, out.stride(0),
-            *a_blocks, *b_blocks, E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max, A_MX=a.mx, B_MX=b.mx,
-            STEP=_step(a, b, block_k), num_warps=warps, num_stages=stages,
+            _rows_kernel, grid, a, a_scale, b, b_scale, out, ends, experts, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+            E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max, num_warps=warps, num_stages=stages,
         )
     return out
 
 
-def _columns(a: KernelOperand, a_scale, b: KernelOperand, b_scale, ends, out_dtype, imprecise, group_scales, tile, stored_dtype=None):
-    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for A [N, R] and B [K, R] (any strides), then
-    the epilogue's factors, rounded to `out_dtype` and stored as `stored_dtype` (default: the same);
+def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile, stored_dtype=None):
+    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ for A [N, R] and B [K, R] (any strides), then the
+    epilogue's factors, rounded to `out_dtype` and stored as `stored_dtype` (default: the same);
     a group with an empty run gets zeros."""
-    (n, _), k, experts = a.shape, b.shape[0], ends.shape[0]
+    n, k, experts = a.shape[0], b.shape[0], ends.shape[0]
     stored_dtype = stored_dtype or out_dtype
     if out_dtype not in (stored_dtype, torch.bfloat16):
         raise ValueError(f"grouped_mm: a product rounded to {out_dtype} is stored in its own dtype, not {stored_dtype}.")
-    out = torch.empty((experts, n, k), dtype=stored_dtype, device=a.tensor.device)
+    out = torch.empty((experts, n, k), dtype=stored_dtype, device=a.device)
     block_n, block_k, block_r, warps, stages = tile
     mode, a_max, b_max = group_scales
     if experts and n and k:
-        (a_tensor, *a_strides), a_blocks = a.arguments()
-        (b_tensor, *b_strides), b_blocks = b.arguments()
         grid = (experts * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
         launch(
-            _columns_kernel, grid, a_tensor, a_scale, b_tensor, b_scale, out, ends, n, k, *a_strides, *b_strides, *a_blocks, *b_blocks,
+            _columns_kernel, grid, a, a_scale, b, b_scale, out, ends, n, k, *a.stride(), *b.stride(),
             BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max,
-            ROUND_BF16=out_dtype != stored_dtype, A_MX=a.mx, B_MX=b.mx, STEP=_step(a, b, block_r), num_warps=warps, num_stages=stages,
+            ROUND_BF16=out_dtype != stored_dtype, num_warps=warps, num_stages=stages,
         )
     return out
 
@@ -218,7 +170,7 @@ def float8_rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumula
     factors [E, N]), summed on the FP8 tensor cores (promoted to fp32 after each BLOCK_K of the
     reduction unless `fast_accumulation`), times both rows' factors, rounded once to `out_dtype`."""
     tile = tile or TILES[fast_accumulation]
-    return _rows(KernelOperand.of(a_data), a_scale, KernelOperand.of(b_data), b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
+    return _rows(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile)
 
 
 def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accumulation, tile=None, stored_dtype=None):
@@ -226,30 +178,24 @@ def float8_columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, fast_accum
     per group and row, [E, N] and [E, K]), rounded to `out_dtype`, stored as `stored_dtype` (default:
     the same); a group with an empty run gets zeros."""
     tile = tile or TILES[fast_accumulation]
-    return _columns(KernelOperand.of(a_data), a_scale, KernelOperand.of(b_data), b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile, stored_dtype)
-
-
-def _operand(x) -> KernelOperand:
-    return x if isinstance(x, KernelOperand) else KernelOperand.of(x)
+    return _columns(a_data, a_scale, b_data, b_scale, ends, out_dtype, None if fast_accumulation else tile[2], _ROW_FACTORS, tile, stored_dtype)
 
 
 def bf16_rows(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
-    """C [M, N]: rows of group e of A [M, K] times B_eᵀ (B [E, N, K]), bf16 values summed in fp32
-    on the bf16 tensor cores, times group e's tensor scales (`a_scale`, `b_scale`: per-group
-    TensorScales, either or both None), rounded once to `out_dtype`. Either operand may be a
-    tensor of bf16 values or a `KernelOperand` (MXFP8 codes the kernel decodes as it reads them)."""
-    a, b = _operand(a), _operand(b)
-    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a.tensor)
-    return _rows(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["mxfp8 rows" if a.mx or b.mx else "bf16 rows"])
+    """C [M, N]: rows of group e of A [M, K] times B_eᵀ (B [E, N, K], K contiguous), bf16 values
+    summed in fp32 on the bf16 tensor cores, times group e's tensor scales (`a_scale`, `b_scale`:
+    per-group TensorScales, either None), rounded once to `out_dtype`."""
+    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a)
+    return _rows(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 rows"])
 
 
 def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None, stored_dtype=None):
-    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ of bf16 values (A [N, R], B [K, R], runs of
-    whole 16s), summed in fp32, times group e's tensor scales, rounded once to `out_dtype`, stored
-    as `stored_dtype` (default: the same); an empty run gives zeros. Operands as `bf16_rows`'."""
-    a, b = _operand(a), _operand(b)
-    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a.tensor)
-    return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["mxfp8 columns" if a.mx or b.mx else "bf16 columns"], stored_dtype)
+    """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ of bf16 values (A [N, R], B [K, R], any strides,
+    runs of whole 16s), summed in fp32, times group e's tensor scales (either or both None),
+    rounded once to `out_dtype`, stored
+    as `stored_dtype` (default: the same); an empty run gives zeros."""
+    a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a)
+    return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 columns"], stored_dtype)
 
 
 # Registered into qtensor's kernel table (qtensor_kernels/__init__.py).

@@ -139,14 +139,24 @@ def test_grouped_bf16_rows_kernel_scales_each_group_by_its_tensor_scales(lengths
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_grouped_bf16_columns_kernel_scales_each_groups_product_by_its_tensor_scales(out_dtype):
-    """C_e = (A[:, run e] · B[:, run e]ᵀ) times group e's tensor scales, over runs of whole 16s,
-    empty runs zero."""
+@pytest.mark.parametrize("which", ["A and B", "none"])
+@pytest.mark.parametrize("layout", ["[N, R]", "[R, N] read transposed"])
+def test_grouped_bf16_columns_kernel_scales_each_groups_product_by_its_tensor_scales(out_dtype, which, layout):
+    """C_e = (A[:, run e] · B[:, run e]ᵀ) times group e's tensor scales (or none: MXFP8's wgrad),
+    over runs of whole 16s, empty runs zero; the operands read in place with the runs contiguous
+    (NVFP4's columnwise copies) or strided (MXFP8's, which keep the [rows, cols] order)."""
     runs = (0, 16, 2048, 48, 0, 144, 1024)
     experts, n, k = len(runs), 80, 96
     ends = torch.tensor(runs, device="cuda").cumsum(0).to(torch.int32)
-    a, b = bf16_values(n, sum(runs), seed=5), bf16_values(k, sum(runs), seed=6)
-    a_scale, b_scale, factor = group_scales(experts, 7, "A and B")
+    if layout == "[N, R]":
+        a, b = bf16_values(n, sum(runs), seed=5), bf16_values(k, sum(runs), seed=6)
+    else:
+        a, b = bf16_values(sum(runs), n, seed=5).t(), bf16_values(sum(runs), k, seed=6).t()
+    if which == "none":
+        a_scale = b_scale = None
+        factor = torch.ones(experts, device="cuda")
+    else:
+        a_scale, b_scale, factor = group_scales(experts, 7, which)
     kernel = lookup("grouped_mm.bf16_columns", a)
     out = kernel(a, b, a_scale, b_scale, ends, out_dtype)
     assert out.shape == (experts, n, k) and out.dtype == out_dtype
@@ -156,56 +166,3 @@ def test_grouped_bf16_columns_kernel_scales_each_groups_product_by_its_tensor_sc
             assert torch.equal(out[expert], torch.zeros_like(out[expert]))
             continue
         within(out[expert].float(), a[:, start:end].float() * factor[expert], b[:, start:end].float().t(), "bf16", out_dtype)
-
-
-EXACT_TILE = (64, 64, 32, 4, 3)
-
-
-@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_grouped_bf16_kernels_decode_mxfp8_codes_as_they_read_them(fp8_dtype):
-    """MXFP8 copies handed to the bf16 kernels as codes and E8M0 scale codes (`decoded_operand`):
-    each product equals, bit for bit, the same kernel's over the copies' dequantized bf16 values
-    (with a tile whose dots take 32 of the reduction, as the decoding ones do: the same sums in
-    the same order), and the float64 product of those values within fp32 accumulation's bound. fprop over a
-    rowwise stack, dgrad over a columnwise stack split along its reduction, wgrad over two
-    columnwise copies in runs of whole blocks (an empty one among them), stored as fp32."""
-    from qtensor.formats.mxfp8 import MXFP8Quantizer
-
-    quantizer = MXFP8Quantizer(fp8_dtype)
-    lengths, experts, n, k = (37, 0, 130, 64), 4, 96, 160
-    ends = torch.tensor(lengths, device="cuda").cumsum(0).to(torch.int32)
-    bounds = list(zip([0, *ends.tolist()], ends.tolist()))
-    x, grad = bf16_values(sum(lengths), k, seed=11), bf16_values(sum(lengths), n, seed=12)
-    weights = quantizer.quantize(bf16_values(experts * n, k, seed=13))
-    rows, cols = lookup("grouped_mm.bf16_rows", x), lookup("grouped_mm.bf16_columns", x)
-    values = lambda storage: storage.dequantize_as(torch.bfloat16)
-
-    x_row, g_row = quantizer.quantize(x, columnwise=False).storage_for("rowwise"), quantizer.quantize(grad, columnwise=False).storage_for("rowwise")
-    w_row, w_col = weights.storage_for("rowwise"), weights.storage_for("columnwise")
-    out = rows(x_row.decoded_operand(), w_row.decoded_operand().experts(experts, False), None, None, ends, torch.float32)
-    w = values(w_row).view(experts, n, k)
-    decoded = lambda a, b: rows(a, b, None, None, ends, torch.float32, tile=EXACT_TILE)
-    assert torch.equal(decoded(x_row.decoded_operand(), w_row.decoded_operand().experts(experts, False)), decoded(values(x_row), w))
-    for expert, (start, end) in enumerate(bounds):
-        within(out[start:end], values(x_row)[start:end].float(), w[expert].float().t(), "bf16", torch.float32)
-
-    out = rows(g_row.decoded_operand(), w_col.decoded_operand().experts(experts, True), None, None, ends, torch.bfloat16)
-    w = values(w_col).view(experts, n, k)  # W_e [n, k], blocks down its n rows
-    assert torch.equal(decoded(g_row.decoded_operand(), w_col.decoded_operand().experts(experts, True)), decoded(values(g_row), w.transpose(1, 2).contiguous()))
-    for expert, (start, end) in enumerate(bounds):
-        within(out[start:end], values(g_row)[start:end].float(), w[expert].float(), "bf16", torch.bfloat16)
-
-    runs = (64, 0, 160, 32)  # each group's rows run on to whole blocks of 32
-    run_ends = torch.tensor(runs, device="cuda").cumsum(0).to(torch.int32)
-    g_col = quantizer.quantize(bf16_values(sum(runs), n, seed=14), rowwise=False).storage_for("columnwise")
-    x_col = quantizer.quantize(bf16_values(sum(runs), k, seed=15), rowwise=False).storage_for("columnwise")
-    out = cols(g_col.decoded_operand(), x_col.decoded_operand(), None, None, run_ends, torch.bfloat16, stored_dtype=torch.float32)
-    assert out.dtype == torch.float32
-    g, xv = values(g_col), values(x_col)
-    exact = lambda a, b: cols(a, b, None, None, run_ends, torch.bfloat16, tile=EXACT_TILE)
-    assert torch.equal(exact(g_col.decoded_operand(), x_col.decoded_operand()), exact(g.t().contiguous(), xv.t().contiguous()))
-    for expert, (start, end) in enumerate(zip([0, *run_ends.tolist()], run_ends.tolist())):
-        if end == start:
-            assert torch.equal(out[expert], torch.zeros_like(out[expert]))
-            continue
-        within(out[expert], g[start:end].float().t(), xv[start:end].float(), "bf16", torch.bfloat16)

@@ -593,6 +593,39 @@ def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights, stack
 
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_an_fp32_mxfp8_stacks_weight_gradient_is_stored_in_fp32_by_qtensors_kernel(weights):
+    """An fp32 MXFP8 stack under bf16 autocast: fprop and dgrad run torch's bf16 grouped GEMM over
+    the copies' values, wgrad qtensor's `bf16_columns`, which reads the columnwise copies' values in
+    place and stores the bf16-rounded gradient as fp32 (no conversion pass); the gradient is fp32,
+    each expert's within the bf16 rounding of the oracle's product."""
+    experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
+    module = nn.Module()
+    module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1))
+    qtensor.quantize_(module, qtensor.Recipe(factory_for("mxfp8")), weights=weights)
+    module.cuda()
+    x, grad = varied(ends[-1], k, seed=2).to(torch.bfloat16), varied(ends[-1], n, seed=3).to(torch.bfloat16)
+    call = lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32, device="cuda"))
+    kernels.registered()
+    wgrad = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.bf16_columns"])
+    with mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm) as launches, \
+            mock.patch.dict(kernels.TABLE.eager, {"grouped_mm.bf16_columns": wgrad}), torch.autocast("cuda", dtype=torch.bfloat16):
+        y, x_grad, w_grad = run_grouped(module, x.cuda(), grad.cuda(), call)
+    assert w_grad.dtype == torch.float32
+    assert sum(type(c.args[1]) is torch.Tensor for c in launches.call_args_list) == 2 and wgrad.call_count == 1
+    deq = CASES["mxfp8"][1]
+    w_grad = w_grad.cpu()
+    for expert, (start, end) in enumerate(zip([0, *ends], ends)):
+        if end == start:
+            assert not w_grad[expert].any()
+            continue
+        xe, ge = x[start:end].float().numpy(), grad[start:end].float().numpy()
+        gemm_within(w_grad[expert], deq["grad_output"](ge, "columnwise").T, deq["input"](xe, "columnwise"), relative=4e-3)
+
+
+
 def test_a_second_grouped_gemm_over_the_same_offsets_reads_no_ends_from_the_device():
     """The gate_up and down GEMMs of a layer share their offsets: the second takes the ends the first
     read (no second device-to-host read), until the offsets change in place, when they are read again."""

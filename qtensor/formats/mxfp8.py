@@ -14,7 +14,6 @@ from ..core.numerics import (
     pad_to_multiple,
     to_fp8_saturating,
 )
-from ..core.groups import KernelOperand
 from ..core.kernels import lookup
 from ..core.quantizer import Quantizer
 from ..core.storage import BlockScaledOperand, Buffer, Storage
@@ -133,15 +132,6 @@ class MXFP8Storage(Storage):
         # E4M3/E5M2 codes times a power of two: exact in bf16 at or above 2**-126 (tested).
         values = self.dequantize_as(torch.bfloat16)
         return (values if self.direction == "rowwise" else values.t()), None
-
-    def decoded_operand(self) -> KernelOperand:
-        """The codes as the grouped bf16 kernels read them, decoding each to the value `bf16_operand`
-        holds (core/groups.KernelOperand): the reduction along the blocks (a row, or down a column)."""
-        data, codes = self.data, self.scale_inv
-        mx = 1 if data.dtype == torch.float8_e4m3fn else 2
-        if self.direction == "rowwise":
-            return KernelOperand(data, tuple(data.shape), data.stride(), codes, codes.stride(), mx)
-        return KernelOperand(data, (data.shape[1], data.shape[0]), data.stride()[::-1], codes, codes.stride()[::-1], mx)
 
     def block_scaled_operand(self):
         # Both directions keep the [rows, cols] element order: the columnwise copy is transposed so

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..core.groups import KernelOperand
 from ..core.kernels import lookup
 from . import dense
 
@@ -160,22 +159,26 @@ def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tup
 
     On the bf16 tensor cores where the values are bf16 (exact: the caller's format holds them so):
     `torch._grouped_mm` (bf16 out) without scales, qtensor's grouped GEMMs with them
-    (qtensor_kernels/grouped_mm.py: the scales in the fp32 epilogue); else the reference, group by
+    (qtensor_kernels/grouped_mm.py: the scales in the fp32 epilogue) or for a weight gradient
+    stored wider than `out_dtype` (stored so by the kernel); else the reference, group by
     group in fp32 (torch's CPU grouped GEMM where it takes fp32). Returned as `stored_dtype` (as
     `scaled_nt`)."""
     grouped_rows = b.dim() == 3
     stored_dtype = stored_dtype or out_dtype
     scaled = scales[0] is not None or scales[1] is not None
     on_gpu = a.device.type == "cuda" and a.dtype == b.dtype == torch.bfloat16
-    if on_gpu and not scaled and out_dtype == torch.bfloat16:
+    # A weight gradient stored wider than it is rounded goes to qtensor's kernel, which stores it so
+    # (torch's writes only bf16: a pass to convert it would follow).
+    stored_wider = not grouped_rows and stored_dtype != out_dtype
+    if on_gpu and not scaled and not stored_wider and out_dtype == torch.bfloat16:
         return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16).to(stored_dtype)
-    kernel = lookup("grouped_mm.bf16_rows" if grouped_rows else "grouped_mm.bf16_columns", a) if on_gpu and scaled else None
+    kernel = lookup("grouped_mm.bf16_rows" if grouped_rows else "grouped_mm.bf16_columns", a) if on_gpu and (scaled or stored_wider) else None
     if kernel is not None:
         a_scale, b_scale = (_each_group_scale(scale, len(lengths)) for scale in scales)
         if grouped_rows:  # b_e read as [N, K]: K, the reduction, contiguous
             b_nk = b.transpose(-2, -1)
             return kernel(a.contiguous(), b_nk if b_nk.stride(-1) == 1 else b_nk.contiguous(), a_scale, b_scale, offs, out_dtype)
-        return kernel(a.contiguous(), b.t().contiguous(), a_scale, b_scale, offs, out_dtype, stored_dtype=stored_dtype)
+        return kernel(a, b.t(), a_scale, b_scale, offs, out_dtype, stored_dtype=stored_dtype)  # read in place, any strides
     factor = _factor(*scales).expand(len(lengths)) if scaled else None
     if a.device.type == "cpu":
         product = torch._grouped_mm(a.float(), b.float(), offs=offs.to(torch.int32))
@@ -208,18 +211,12 @@ def _factor(a_scale, b_scale) -> torch.Tensor:
     return a_scale.value() if b_scale is None else a_scale.value() * b_scale.value()
 
 
-# ---- grouped copies (core/groups.GroupedCopy) ------------------------------------------------------
+# ---- grouped copies (core/groups.GroupedCopy), through `values_nt` --------------------------------
 def copies_rows(a, stack, stack_direction: str, experts: int, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
     """C [M, N]: the rows of group e of `a` (the routed rows' rowwise GroupedCopy, [M, K]) times
     expert e of `stack` (a GroupedCopy of the experts' matrices as one [E·R, C]), reduced along the
     copy's blocks: the rowwise copy gives A_e · W_eᵀ (N = R, fprop), the columnwise one A_e · W_e
-    (N = C, dgrad), times group e's tensor scales of both copies. MXFP8 codes go to qtensor's
-    grouped kernel, which decodes them as it reads them (`_decodes`); else through `values_nt`."""
-    kernel = _decodes("grouped_mm.bf16_rows", a, stack)
-    if kernel is not None:
-        (a_operand, a_scale), (b_operand, b_scale) = _kernel_operand(a), _kernel_operand(stack)
-        b_operand = b_operand.experts(experts, along_reduction=stack_direction == "columnwise")  # [E, N, K]
-        return kernel(a_operand, b_operand, *(_each_group_scale(scale, experts) for scale in (a_scale, b_scale)), offs, out_dtype)
+    (N = C, dgrad), times group e's tensor scales of both copies."""
     a_values, a_scale = a.operand()
     values, b_scale = stack.operand()  # stored: [E·R, C] rowwise, [C, E·R] columnwise
     if stack_direction == "rowwise":
@@ -233,29 +230,6 @@ def copies_columns(a, b, offs: torch.Tensor, lengths: tuple[int, ...], out_dtype
     """C [E, N, K], C_e = A[run e]ᵀ · B[run e] of the columnwise GroupedCopies of `a` [R, N] and `b`
     [R, K], each group's run of rows (`offs`, `lengths`) whole blocks (wgrad), times group e's
     tensor scales; an empty run gives zeros. The two copies hold their values in the same
-    reduction transform, which cancels. Returned as `stored_dtype` (as `scaled_nt`); MXFP8 codes
-    as in `copies_rows`."""
-    kernel = _decodes("grouped_mm.bf16_columns", a, b)
-    if kernel is not None:
-        (a_operand, a_scale), (b_operand, b_scale) = _kernel_operand(a), _kernel_operand(b)
-        scales = (_each_group_scale(scale, len(lengths)) for scale in (a_scale, b_scale))
-        return kernel(a_operand, b_operand, *scales, offs, out_dtype, stored_dtype=stored_dtype)
+    reduction transform, which cancels. Returned as `stored_dtype` (as `scaled_nt`)."""
     (a_values, a_scale), (b_values, b_scale) = a.operand(), b.operand()  # [N, R], [K, R]
     return values_nt(a_values, b_values.t(), offs, lengths, out_dtype, (a_scale, b_scale), stored_dtype)
-
-
-def _decodes(name: str, *copies):
-    """qtensor's grouped kernel `name` where one of the copies holds MXFP8 codes the kernel can
-    decode as it reads them (no dequantized copy in memory), on a GPU; else None."""
-    decodable = any(copy.values is None and hasattr(copy.storage, "decoded_operand") for copy in copies)
-    data = copies[0].storage.data
-    return lookup(name, data) if decodable and data.device.type == "cuda" else None
-
-
-def _kernel_operand(copy):
-    """(`copy` as the grouped kernels read it, reduction last, its groups' TensorScale or None):
-    MXFP8 codes to decode, else the bf16 values."""
-    if copy.values is None and hasattr(copy.storage, "decoded_operand"):
-        return copy.storage.decoded_operand(), None
-    values, scale = copy.operand()
-    return KernelOperand.of(values), scale

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The grouped bf16 kernels reading MXFP8 codes (decoded as they load) on one GPU: their CUDA tests
-# and the expert stacks' (TESTS=0 skips them), bench_grouped_mm.py --mxfp8 (--sweep with SWEEP=1;
-# GEMMS=0 skips it), bench_moe.py at the Qwen3-like shapes, and the same
-# MXFP8 systems with the decoding patched off (dequantized copies and torch's grouped GEMM, as
-# before; BEFORE=0 skips it). LORA=1 adds benchmarks/bench_lora.py at the 1.1B shape and the LoRA
-# CUDA tests. Logs go to $OUT.
-#   benchmarks/mxfp8_decode_device.sh
+# The expert stacks on one GPU: the grouped GEMM kernels' CUDA tests and the stacks' (TESTS=0 skips
+# them), bench_grouped_mm.py --mxfp8 (GEMMS=0 skips it), bench_moe.py at the Qwen3-like shapes
+# ($SYSTEMS), and the MXFP8 systems with an fp32 stack's weight gradient converted after torch's
+# grouped GEMM, as before qtensor's kernel stored it (BEFORE=0 skips it). LORA=1 adds
+# benchmarks/bench_lora.py at the 1.1B shape and the LoRA CUDA tests. Logs go to $OUT.
+#   benchmarks/experts_device.sh
 source "$(dirname "$0")/device_env.sh"
 carried torchao
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
@@ -13,14 +12,15 @@ if [ "${TESTS:-1}" != 0 ]; then
     RUN_TIMEOUT=150 run grouped_kernels python3 -m pytest -q -rA -s -m cuda -p no:cacheprovider tests/test_cuda_grouped_mm.py
     grep -E "max error" "$OUT/grouped_kernels.log" | sort -k5 -g | tail -2
 fi
-[ "${GEMMS:-1}" = 0 ] || timeout 150 python3 benchmarks/bench_grouped_mm.py --mxfp8 ${SWEEP:+--sweep} 2>&1 | tee "$OUT/bench_grouped_mm_mxfp8.log"
+[ "${GEMMS:-1}" = 0 ] || timeout 150 python3 benchmarks/bench_grouped_mm.py --mxfp8 2>&1 | tee "$OUT/bench_grouped_mm_mxfp8.log"
 SYSTEMS=${SYSTEMS:-"bf16,float8_rowwise quantized,mxfp8,mxfp8 quantized,mxfp8_fwd_nvfp4_bwd quantized,nvfp4 quantized"}
 timeout 240 python3 benchmarks/bench_moe.py --shapes qwen3 --systems "$SYSTEMS" 2>&1 | tee "$OUT/bench_moe_qwen3.log"
-[ "${BEFORE:-1}" = 0 ] || timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/bench_moe_no_decoding.log"
+[ "${BEFORE:-1}" = 0 ] || timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/bench_moe_before.log"
 import sys
-sys.argv = ["bench_moe.py", "--shapes", "qwen3", "--systems", "bf16,mxfp8 quantized,mxfp8_fwd_nvfp4_bwd quantized", "--steps", "5"]
-from qtensor.gemm import grouped
-grouped._decodes = lambda *args: None  # the copies dequantized, then torch's grouped GEMM, as before
+sys.argv = ["bench_moe.py", "--shapes", "qwen3", "--systems", "bf16,mxfp8,mxfp8 quantized", "--steps", "5"]
+import qtensor.gemm.grouped as grouped
+lookup = grouped.lookup  # MXFP8's wgrad through torch's grouped GEMM, then converted, as before (NVFP4 needs the kernel)
+grouped.lookup = lambda name, tensor: None if name == "grouped_mm.bf16_columns" else lookup(name, tensor)
 import runpy
 runpy.run_path("benchmarks/bench_moe.py", run_name="__main__")
 PY
