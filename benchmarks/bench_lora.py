@@ -1,6 +1,6 @@
 """LoRA fine-tuning over a frozen base: peak memory and tokens/s by the base's format (GPU).
 
-    python benchmarks/bench_lora.py [--systems bf16,float8_rowwise,nvfp4,nf4] [--steps 10] [--seq 2048] [--tiny]
+    python benchmarks/bench_lora.py [--systems bf16,float8_rowwise,nvfp4,nf4] [--steps 10] [--seq 2048] [--checkpointing] [--tiny]
 
 A Llama-shaped model of about 1.1B parameters (hidden 2048, 22 blocks, MLP 5632, 32 heads, 4 KV
 heads, vocabulary 32000; random weights) in bf16, its blocks' linear weights then held in the
@@ -10,10 +10,14 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
 
 - "bf16": the base in bf16;
 - "<recipe>": the base held quantized by qtensor (`weights="quantized"`), e.g. float8_rowwise, nvfp4;
+- "<recipe> one-copy": the same, each frozen weight then keeping the forward's copy only
+  (`update_usage(columnwise=False)`: formats that rebuild dgrad's copy from it, per-tensor FP8
+  and 128×128 FP8 blocks);
 - "nf4": torchao's NF4 (`to_nf4`) for every block's linear weights, as torchtune's QLoRA holds
   them (where torchao imports).
 
-`--tiny` runs a two-block model of width 256 (on the CPU too, `--device cpu`) to check the script.
+`--checkpointing` recomputes each block's activations in the backward (transformers' gradient
+checkpointing, non-reentrant), for every system. `--tiny` runs a two-block model of width 256 (on the CPU too, `--device cpu`) to check the script.
 Prints tokens/s, × bf16 and peak GiB per system, and the bytes a forward saves for the backward
 per token (activations: every tensor autograd saves, less the model's parameters and the held
 weights' own buffers; measured with saved-tensor hooks, so on the CPU too).
@@ -38,7 +42,7 @@ SHAPES = {
 }
 
 
-def build(system: str, shape: str, device: str):
+def build(system: str, shape: str, device: str, checkpointing: bool = False):
     import peft
     import transformers
 
@@ -55,13 +59,21 @@ def build(system: str, shape: str, device: str):
                 if isinstance(module, nn.Linear):
                     module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
     elif system != "bf16":
-        qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, system)(), weights="quantized")
+        recipe, *words = system.split()
+        qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, recipe)(), weights="quantized")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
+    if "one-copy" in system:
+        for param in model.parameters():
+            if isinstance(param, qtensor.QuantizedTensor) and not param.requires_grad:
+                param.update_usage(columnwise=False)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
-def measure(system: str, shape: str, device: str, seq: int, steps: int) -> dict:
-    model = build(system, shape, device)
+def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpointing: bool = False) -> dict:
+    model = build(system, shape, device, checkpointing)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     tokens = torch.randint(0, SHAPES[shape]["vocab_size"], (1, seq), device=device)
 
@@ -123,23 +135,25 @@ def main() -> None:
     parser.add_argument("--systems", default="bf16,float8_current,float8_rowwise,mxfp8,nvfp4,nf4")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every block")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     shape = "tiny" if args.tiny else "1b"
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}; LoRA r16 over a {shape} Llama, sequence {args.seq}, median of {args.steps} steps")
-    print(f"{'system':<16} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9} {'saved KiB/token':>16}")
+    checkpointing = ", gradient checkpointing" if args.checkpointing else ""
+    print(f"{name}, torch {torch.__version__}; LoRA r16 over a {shape} Llama, sequence {args.seq}{checkpointing}, median of {args.steps} steps")
+    print(f"{'system':<24} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9} {'saved KiB/token':>16}")
     base = None
     for system in args.systems.split(","):
         try:
-            row = measure(system, shape, args.device, args.seq, args.steps)
+            row = measure(system, shape, args.device, args.seq, args.steps, args.checkpointing)
         except Exception as error:  # one system's failure is a row
-            print(f"{system:<16} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
+            print(f"{system:<24} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
             continue
         base = base or (row["tokens_per_s"] if system == "bf16" else None)
         ratio = f"{row['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
-        print(f"{system:<16} {row['tokens_per_s']:>10,.0f} {row['ms']:>9.1f} {ratio} {row['peak_gib']:>9.2f} {row['saved_per_token'] / 1024:>16.1f}", flush=True)
+        print(f"{system:<24} {row['tokens_per_s']:>10,.0f} {row['ms']:>9.1f} {ratio} {row['peak_gib']:>9.2f} {row['saved_per_token'] / 1024:>16.1f}", flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
 

@@ -29,6 +29,8 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 if [ "${LORA:-0}" != 0 ]; then  # (LORA=1 TESTS=0 GEMMS=0 SYSTEMS=bf16 BEFORE=0: the LoRA part alone)
     carried transformers; carried peft
-    timeout 300 python3 benchmarks/bench_lora.py 2>&1 | tee "$OUT/bench_lora_1b.log"
+    LORA_SYSTEMS=${LORA_SYSTEMS:-"bf16,float8_current,float8_current one-copy,float8_blockwise one-copy,nvfp4,nf4"}
+    timeout 300 python3 benchmarks/bench_lora.py --checkpointing --systems "$LORA_SYSTEMS" 2>&1 | grep -v -i warn | tee "$OUT/bench_lora_1b_checkpointing.log"
+    [ -z "${LORA_PLAIN:-}" ] || timeout 200 python3 benchmarks/bench_lora.py --systems "$LORA_PLAIN" 2>&1 | grep -v -i warn | tee "$OUT/bench_lora_1b.log"
     RUN_TIMEOUT=200 run lora_cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_lora.py
 fi

@@ -29,10 +29,13 @@ from .launch import launch
 @triton.jit
 def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group, GROUP_SCALES: tl.constexpr,
               A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr):
-    """The fp32 product times the rows' factors of A and of B, in that order (GROUP_SCALES 0). With GROUP_SCALES (1: A's,
-    2: B's, 3: both) times the group's tensor scales instead, each computed here from its buffer
-    [G] as `TensorScale.value` computes it (a scale_inv, or with *_AMAX_MAX NVFP4's 1/S_enc of the
-    global amax), the two multiplied first, as the dense epilogue does (qtensor_kernels/gemm.py)."""
+    """The fp32 product times the rows' factors of A and of B, in that order (GROUP_SCALES 0). With
+    GROUP_SCALES 1 (A's), 2 (B's) or 3 (both) times the group's tensor scales instead, each computed
+    here from its buffer [G] as `TensorScale.value` computes it (a scale_inv, or with *_AMAX_MAX
+    NVFP4's 1/S_enc of the global amax), the two multiplied first, as the dense epilogue does
+    (qtensor_kernels/gemm.py). With 4, the product as it is."""
+    if GROUP_SCALES == 4:
+        return acc
     if GROUP_SCALES == 1:
         return acc * _tensor_scale(a_scale_ptr + group, A_AMAX_MAX)
     if GROUP_SCALES == 2:

@@ -170,9 +170,9 @@ def values_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, lengths: tup
     # A weight gradient stored wider than it is rounded goes to qtensor's kernel, which stores it so
     # (torch's writes only bf16: a pass to convert it would follow).
     stored_wider = not grouped_rows and stored_dtype != out_dtype
-    if on_gpu and not scaled and not stored_wider and out_dtype == torch.bfloat16:
-        return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16).to(stored_dtype)
     kernel = lookup("grouped_mm.bf16_rows" if grouped_rows else "grouped_mm.bf16_columns", a) if on_gpu and (scaled or stored_wider) else None
+    if on_gpu and not scaled and kernel is None and out_dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16).to(stored_dtype)
     if kernel is not None:
         a_scale, b_scale = (_each_group_scale(scale, len(lengths)) for scale in scales)
         if grouped_rows:  # b_e read as [N, K]: K, the reduction, contiguous
