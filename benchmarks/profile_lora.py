@@ -22,29 +22,31 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     for system in args.systems.split(","):
-        model = build(system, "1b", "cuda", checkpointing=True)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-        tokens = torch.randint(0, SHAPES["1b"]["vocab_size"], (args.batch, args.seq), device="cuda")
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        total = sum(event.self_device_time_total for event in prof.key_averages()) / 1e3
-        print(f"== {system}: {total:.1f} ms of GPU time in one step", flush=True)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70), flush=True)
-        del model, optimizer
+        profile(system, args.batch, args.seq, args.top)
         torch.cuda.empty_cache()
 
+
+def profile(system: str, batch: int, seq: int, top: int) -> None:
+    model = build(system, "1b", "cuda", checkpointing=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    tokens = torch.randint(0, SHAPES["1b"]["vocab_size"], (batch, seq), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    total = sum(event.self_device_time_total for event in prof.key_averages()) / 1e3
+    print(f"== {system}: {total:.1f} ms of GPU time in one step", flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70), flush=True)
 
 if __name__ == "__main__":
     main()
