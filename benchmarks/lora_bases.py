@@ -7,7 +7,9 @@ For one weight (a Llama-like initialisation, normal with std 0.02, and one row i
 for outliers) and one input (normal), each format's held base (`weights="quantized"`: both copies a
 frozen layer keeps, the forward's and dgrad's) gives:
 
-- bytes per parameter of the held weight (every buffer, scales included);
+- bytes per parameter of the held weight (every buffer, scales included), and of the frozen weight
+  keeping the forward's copy only (`update_usage(columnwise=False)`), where its format rebuilds
+  dgrad's copy from it;
 - the relative error of the base's weights, ||deq(W) - W|| / ||W|| (the rowwise copy's values);
 - the relative error of a layer's output, ||layer(x) - x·Wᵀ|| / ||x·Wᵀ|| against float64, with the
   input cast as the recipe casts it (bf16 autocast for the plain and NF4 layers).
@@ -46,16 +48,22 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def qtensor_row(recipe, weight: torch.Tensor, x: torch.Tensor) -> tuple[float, float, float]:
+def qtensor_row(recipe, weight: torch.Tensor, x: torch.Tensor) -> tuple[float, float | None, float, float]:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     with torch.no_grad():
         layer.weight.copy_(weight)
     qtensor.quantize_(layer, recipe(), weights="quantized")
     held = layer.weight
-    nbytes = sum(b.numel() * b.element_size() for d in ("rowwise", "columnwise") if getattr(held, d) is not None for b in getattr(held, d).buffers.values())
+    nbytes = held.storage_nbytes()
     with torch.no_grad():
         y = layer(x)
-    return nbytes / weight.numel(), relative(held.dequantize(torch.float32), weight), relative(y, x.double() @ weight.double().t())
+    # Frozen, the weight keeps the forward's copy only where its format rebuilds dgrad's from it.
+    one_copy = None
+    if held.quantizer.rebuild_direction(held.rowwise, "columnwise") is not None:
+        held.requires_grad_(False)
+        held.update_usage(columnwise=False)
+        one_copy = held.storage_nbytes() / weight.numel()
+    return nbytes / weight.numel(), one_copy, relative(held.dequantize(torch.float32), weight), relative(y, x.double() @ weight.double().t())
 
 
 def nf4_row(weight: torch.Tensor, x: torch.Tensor):
@@ -67,7 +75,7 @@ def nf4_row(weight: torch.Tensor, x: torch.Tensor):
     inner, _ = nf4.__tensor_flatten__()
     nbytes = sum(getattr(nf4, name).numel() * getattr(nf4, name).element_size() for name in inner)
     y = linear_nf4(x.to(torch.bfloat16), nf4)
-    return nbytes / weight.numel(), relative(nf4.get_original_weight(), weight), relative(y, x.double() @ weight.double().t())
+    return nbytes / weight.numel(), None, relative(nf4.get_original_weight(), weight), relative(y, x.double() @ weight.double().t())
 
 
 def main() -> None:
@@ -77,16 +85,17 @@ def main() -> None:
     args = parser.parse_args()
     rows, cols = (int(n) for n in args.shape.split(","))
     weight, x = weight_and_input(rows, cols, args.tokens)
-    table = {"bf16": (2.0, relative(weight.to(torch.bfloat16), weight), relative(x.bfloat16() @ weight.bfloat16().t(), x.double() @ weight.double().t()))}
+    table = {"bf16": (2.0, None, relative(weight.to(torch.bfloat16), weight), relative(x.bfloat16() @ weight.bfloat16().t(), x.double() @ weight.double().t()))}
     table.update({name: qtensor_row(recipe, weight, x) for name, recipe in RECIPES.items()})
     nf4 = nf4_row(weight, x)
     if nf4 is not None:
         table["NF4 (torchao)"] = nf4
     print(f"weight [{rows}, {cols}], input [{args.tokens}, {cols}]; torch {torch.__version__}")
-    print("| base | bytes per parameter | weight error | layer output error |")
-    print("| --- | --- | --- | --- |")
-    for name, (per_parameter, weight_error, output_error) in table.items():
-        print(f"| {name} | {per_parameter:.3f} | {weight_error:.2e} | {output_error:.2e} |")
+    print("| base | bytes per parameter | frozen, one copy | weight error | layer output error |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, (per_parameter, one_copy, weight_error, output_error) in table.items():
+        one = f"{one_copy:.3f}" if one_copy is not None else "–"
+        print(f"| {name} | {per_parameter:.3f} | {one} | {weight_error:.2e} | {output_error:.2e} |")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,29 @@ def recording_backend():
     return aot_autograd(fw_compiler=record, bw_compiler=record), graphs
 
 
+def frozen_one_copy(model: nn.Module) -> nn.Module:
+    """`model` with its last block frozen, as a LoRA base: its held weights keep the forward's copy
+    only (`update_usage(columnwise=False)`); the first block's gradients still flow through it."""
+    model.layers[1].requires_grad_(False)
+    for param in model.layers[1].parameters():
+        if isinstance(param, qtensor.QuantizedTensor):
+            param.update_usage(columnwise=False)
+    return model
+
+
+def held_copies(model: nn.Module) -> dict:
+    """The directions each quantized weight holds (its local shard's, on a sharded model)."""
+    found = {}
+    for name, param in model.named_parameters():
+        local = getattr(param, "_local_tensor", param)
+        if isinstance(local, qtensor.QuantizedTensor):
+            found[name] = [d for d in ("rowwise", "columnwise") if getattr(local, d) is not None]
+    return found
+
+
+ONE_COPY_RECIPES = ("float8_current", "nvfp4")  # per-tensor FP8's transpose; NVFP4's 16x16 weight tiles
+
+
 def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = Net().to(device())
@@ -435,6 +458,15 @@ def run_distributed(out_path: str) -> None:
             results[("checkpointed", recipe, reshard)] = {"losses": train_losses(model, "dynamic")}
         except RuntimeError as error:  # every rank refuses at the same recomputed forward
             results[("checkpointed", recipe, reshard)] = {"error": str(error)}
+    # A frozen block holding one copy of each weight (a LoRA base): the gathers bring that copy, the
+    # backward rebuilds dgrad's from it.
+    for recipe in ONE_COPY_RECIPES:
+        if only and only != "one_copy":
+            break
+        model = sharded(frozen_one_copy(build(recipe, "quantized")), mesh)
+        GATHER_LOG.clear()
+        result = train(model, "quantized")
+        results[("one_copy", recipe)] = {**result, "copies": held_copies(model), "all_gathers": list(GATHER_LOG)}
     # torchtitan's order for models too large for one device: meta, quantize_, fully_shard, to_empty, init.
     for recipe, weights in (("float8_current", "quantized"), ("hybrid", "dynamic")):
         if only and only != "meta":

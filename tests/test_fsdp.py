@@ -440,6 +440,22 @@ def test_trained_weights_release_their_shard_casts_after_the_backward_and_frozen
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("recipe", fsdp_cases.ONE_COPY_RECIPES)
+def test_a_frozen_block_holding_one_copy_of_its_weights_shards_and_trains_like_one_process(distributed, recipe):
+    """A frozen block whose held weights keep the forward's copy only (a LoRA base; per-tensor FP8,
+    NVFP4's 16x16 tiles): sharded, each gather brings that copy, the backward rebuilds dgrad's from
+    it for the gradients of the block below, and training equals one process; the frozen weights
+    still hold one copy after the optimizer's steps."""
+    result = distributed[("one_copy", recipe)]
+    single_model = fsdp_cases.frozen_one_copy(fsdp_cases.build(recipe, "quantized"))
+    single = fsdp_cases.train(single_model, "quantized")
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(result["logits"], single["logits"], rtol=1e-6, atol=1e-7)
+    frozen = {name: copies for name, copies in result["copies"].items() if name.startswith("layers.1.")}
+    assert frozen == {"layers.1.up.weight": ["rowwise"], "layers.1.down.weight": ["rowwise"]}
+    assert fsdp_cases.held_copies(single_model) == result["copies"]
+
+
 @pytest.mark.parametrize("recipe, reshard", [("float8_current", True), ("mxfp8", False)])
 def test_checkpointed_blocks_train_like_one_process(distributed, recipe, reshard):
     """Activation checkpointing recomputes each block's forward inside the backward. Float8's

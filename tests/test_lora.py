@@ -266,21 +266,37 @@ def test_a_model_merged_into_its_quantized_base_exports_for_serving(checkpoint, 
             assert torch.equal(loaded.get_submodule(name).weight.float(), expected), name
 
 
-@pytest.mark.parametrize("recipe, rebuilds", [("float8_current", True), ("float8_blockwise", True), ("mxfp8", False), ("nvfp4", False)])
-def test_a_frozen_weight_holding_one_copy_rebuilds_dgrads_copy_at_each_backward(recipe, rebuilds):
+ONE_COPY = {  # recipe, and whether its weight's two copies hold the same values
+    "float8_current": (qtensor.recipes.float8_current, True),
+    "float8_blockwise": (qtensor.recipes.float8_blockwise, True),
+    "nvfp4 16x16 tiles": (qtensor.recipes.nvfp4, True),
+    "mxfp8": (qtensor.recipes.mxfp8, False),
+    "nvfp4 1x16 blocks": (lambda: qtensor.recipes.nvfp4(weight_block_2d=False), False),
+}
+
+
+@pytest.mark.parametrize("rows", [128, 72])
+@pytest.mark.parametrize("case", list(ONE_COPY))
+def test_a_frozen_weight_holding_one_copy_rebuilds_dgrads_copy_at_each_backward(case, rows):
     """A frozen held weight can keep only the forward's copy (`update_usage(columnwise=False)`): half
     its bytes where the format's two copies hold the same values (per-tensor Float8: the transpose;
-    128×128 FP8 blocks), dgrad's copy then rebuilt for each backward, the same output and input
-    gradient bit for bit. A format whose copies differ says so at the forward."""
+    128×128 FP8 blocks; NVFP4's 16×16 tiles, also where the tiles overrun the matrix), dgrad's copy
+    then rebuilt for each backward, the same output and input gradient bit for bit as with the
+    copy the cast made. A format whose copies differ says so at the forward."""
+    recipe, rebuilds = ONE_COPY[case]
     torch.manual_seed(0)
-    layer = nn.Linear(256, 128, bias=False)
-    qtensor.quantize_(layer, getattr(qtensor.recipes, recipe)(), weights="quantized")
+    layer = nn.Linear(256 if rows == 128 else 200, rows, bias=False)
+    qtensor.quantize_(layer, recipe(), weights="quantized")
     layer.weight.requires_grad_(False)
-    x = torch.randn(32, 256, requires_grad=True)
+    x = torch.randn(32, layer.in_features, requires_grad=True)
     reference = layer(x)
     reference.sum().backward()
     expected, x.grad = x.grad.clone(), None
     both = layer.weight.storage_nbytes()
+    if rebuilds:  # the rebuilt copy is the cast's, byte for byte
+        rebuilt = layer.weight.quantizer.rebuild_direction(layer.weight.rowwise, "columnwise")
+        for name, buffer in layer.weight.columnwise.buffers.items():
+            assert torch.equal(rebuilt.buffers[name].reshape(-1).view(torch.uint8), buffer.reshape(-1).view(torch.uint8)), name
     layer.weight.update_usage(columnwise=False)
     if not rebuilds:
         with pytest.raises(ValueError, match="cannot rebuild it from the rowwise one"):

@@ -81,7 +81,7 @@ class Placement:
         it whole again when read (`restored`), or None: it is whole. A tensor holding only its other
         copy (a frozen weight that keeps the forward's) keeps that one, rebuilt when read."""
         if getattr(tensor, direction) is None and tensor.storage_for(None).direction != direction:
-            return tensor.storage_for(None), Rebuilt(direction)
+            return tensor.storage_for(None), Rebuilt(direction, tensor.quantizer)
         return tensor.storage_for(direction), None
 
     def restored(self, storage: Storage) -> Storage:
@@ -90,14 +90,15 @@ class Placement:
 
 class Rebuilt(Placement):
     """A saved copy of the other direction, re-laid out for `direction` when the backward reads it
-    (`Storage.to_direction`: a format whose two copies hold the same values)."""
+    by the quantizer that made it (`Quantizer.rebuild_direction`: a format whose two copies hold the
+    same values)."""
 
-    def __init__(self, direction: str):
+    def __init__(self, direction: str, quantizer):
         super().__init__()
-        self.direction = direction
+        self.direction, self.quantizer = direction, quantizer
 
     def restored(self, storage: Storage) -> Storage:
-        return storage.to_direction(self.direction)
+        return self.quantizer.rebuild_direction(storage, self.direction)
 
 
 WHOLE = Placement()

@@ -136,6 +136,14 @@ class Quantizer:
         """The quantizer that makes this quantizer's `direction` storage (a hybrid's child)."""
         return self
 
+    def rebuild_direction(self, storage: Storage, direction: str) -> "Storage | None":
+        """`storage`, one copy this quantizer made, re-laid out as its copy for `direction`, bytes
+        equal to that copy's cast; None where the two copies differ. Here what the storage itself
+        can rebuild (`Storage.to_direction`: per-tensor Float8's transpose, square FP8 blocks); a
+        quantizer whose casts make the copies alike in a way the storage does not record says so
+        (NVFP4's 16×16 tiles)."""
+        return storage.to_direction(direction) if self.quantizer_for(direction) is self.quantizer_for(storage.direction) else None
+
     def tensor_amaxes(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor] | None:
         """The tensor-wide amaxes a cast of the 2-D `x` in these directions reduces over the ranks
         holding the other shards (each `tensor_amax` / `reduce_amax` it makes), computed on `x`

@@ -154,7 +154,7 @@ class QuantizedTensor(torch.Tensor):
 
     def _rebuild_direction(self, direction: str) -> Storage:
         source = self.columnwise if direction == "rowwise" else self.rowwise
-        rebuilt = source.to_direction(direction)
+        rebuilt = self.quantizer.rebuild_direction(source, direction)
         if rebuilt is None:
             raise ValueError(
                 f"{type(self).__name__} cannot rebuild its {direction} copy from the {source.direction} one "

@@ -90,6 +90,16 @@ def directions_needed(linear_quantizers, regather: bool | None) -> tuple[tuple[s
     return (("rowwise",) if regather else both), phases
 
 
+def directions_held(needed, tensor: QuantizedTensor):
+    """`needed` (`directions_needed`) for a tensor that holds only some directions (a frozen weight
+    keeping the forward's copy): a direction it lacks is rebuilt where the backward reads it
+    (`Quantizer.rebuild_direction`), from the copy it holds, which is gathered instead."""
+    held = tuple(d for d in DIRECTIONS if getattr(tensor, d) is not None)
+    fit = lambda directions: tuple(dict.fromkeys(d if d in held else held[0] for d in directions))
+    directions, phases = needed
+    return fit(directions), tuple(fit(phase) for phase in phases)
+
+
 def check_block_boundaries(tensor: QuantizedTensor, directions, shard_rows: int, name: str) -> None:
     """A shard edge must fall on a block boundary of every direction that is gathered (docs/design.md, FSDP2)."""
     for direction in directions:

@@ -294,6 +294,19 @@ class NVFP4Storage(Storage):
         return TensorScale(self.global_amax, amax_max=448.0 * E2M1_MAX)
 
 
+def transposed_tiles(storage: NVFP4Storage, direction: str) -> NVFP4Storage:
+    """A copy cast in 16x16 tiles (no transform) laid out as the other direction's: the codes
+    transposed, each tile's scale (the one its 16 stored rows repeat) laid out along the other
+    direction's rows, the global amax shared."""
+    codes = unpack_nibbles(storage.data, storage.stored_length()).t()  # [the other direction's stored rows, length]
+    tiles = storage.scale_inv.view(torch.uint8)[::BLOCK_SIZE]  # one row of scales per 16 stored rows
+    scales = tiles.t().repeat_interleave(BLOCK_SIZE, 0)[: codes.shape[0]]
+    return NVFP4Storage(
+        direction=direction, rows=storage.rows, cols=storage.cols, rht=False, data=pack_nibbles(codes.contiguous()),
+        scale_inv=scales.contiguous().view(torch.float8_e4m3fn), global_amax=storage.global_amax,
+    )
+
+
 class NVFP4Tensor(QuantizedTensor):
     """A tensor stored as packed E2M1 codes with E4M3 block scales and an fp32 tensor scale."""
 
@@ -326,6 +339,15 @@ class NVFP4Quantizer(Quantizer):
 
     def casts_reproducibly(self) -> bool:
         return not self.stochastic_rounding
+
+    def rebuild_direction(self, storage, direction):
+        # 16x16 tiles: both copies hold each tile's codes at its one scale, so either is the other
+        # transposed (rounded to nearest only: stochastic rounding draws differently by direction).
+        if direction == storage.direction:
+            return storage
+        if not self.block_2d or self.stochastic_rounding or storage.rht:
+            return None
+        return transposed_tiles(storage, direction)
 
     def shard_block(self) -> tuple[int, int]:
         rows, cols = super().shard_block()

@@ -120,7 +120,7 @@ class QuantizedWeight(LayerWeight):
         """Whether the rowwise copy re-lays out as the columnwise one (asked once per weight): a
         weight that keeps only the forward's copy then gives dgrad's at each backward."""
         if "_rebuilds" not in self.__dict__:
-            self._rebuilds = self.rowwise is not None and self.rowwise.to_direction("columnwise") is not None
+            self._rebuilds = self.rowwise is not None and self.quantizer.rebuild_direction(self.rowwise, "columnwise") is not None
         return self._rebuilds
 
     def high_precision_matrix(self) -> torch.Tensor:
@@ -185,7 +185,7 @@ class QuantizedWeight(LayerWeight):
         sharding = self._note_fsdp(mesh, module)
         fsdp.agree_on_scales(self, sharding.shard_groups)
         linear = self.linear_quantizers
-        needed = fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(sharding))
+        needed = fsdp.directions_held(fsdp.directions_needed(linear, fsdp_state.regathers_before_backward(sharding)), self)
         inputs, plan = fsdp.pre_all_gather(self, mesh, outer_size, needed, linear.parameter_name)
         return inputs, (plan, outer_size, self)
 
