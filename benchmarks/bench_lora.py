@@ -12,8 +12,8 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
 - "bf16": the base in bf16;
 - "<recipe>": the base held quantized by qtensor (`weights="quantized"`), e.g. float8_rowwise, nvfp4;
 - "<recipe> one-copy": the same, each frozen weight then keeping the forward's copy only
-  (`update_usage(columnwise=False)`: formats that rebuild dgrad's copy from it, per-tensor FP8
-  and 128×128 FP8 blocks);
+  (`qtensor.keep_forward_copies_`: formats that rebuild dgrad's copy from it, per-tensor FP8,
+  128×128 FP8 blocks, NVFP4's 16×16 tiles);
 - "nf4": torchao's NF4 (`to_nf4`) for every block's linear weights, as torchtune's QLoRA holds
   them (where torchao imports).
 
@@ -66,9 +66,7 @@ def build(system: str, shape: str, device: str, checkpointing: bool = False, com
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
     if "one-copy" in system:
-        for param in model.parameters():
-            if isinstance(param, qtensor.QuantizedTensor) and not param.requires_grad:
-                param.update_usage(columnwise=False)
+        qtensor.keep_forward_copies_(model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compiled:  # each block compiled on its own (as torchtune and torchtitan compile theirs)

@@ -11,7 +11,7 @@ from .formats.mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from .formats.nvfp4 import NVFP4Quantizer, NVFP4Tensor
 from .layers.dynamic_weight import DynamicWeight
 from .layers.config import LinearQuantizers
-from .quantize import QuantizeReport, dequantize_, quantize_
+from .quantize import QuantizeReport, dequantize_, keep_forward_copies_, quantize_
 from .core.quantizer import Quantizer
 from .recipes import Recipe, Role
 from .layers.routing import high_precision
@@ -38,6 +38,7 @@ __all__ = [
     "Recipe",
     "Role",
     "dequantize_",
+    "keep_forward_copies_",
     "high_precision",
     "fallback_report",
     "fallbacks",

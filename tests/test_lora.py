@@ -121,6 +121,42 @@ def test_lora_trains_over_a_base_loaded_quantized_and_leaves_it_untouched(checkp
     assert all(torch.equal(before[name].reshape(-1).view(torch.uint8), after[name].reshape(-1).view(torch.uint8)) for name in before)
 
 
+@pytest.mark.parametrize("recipe, halves", [("float8_current", True), ("nvfp4", True), ("mxfp8", False)])
+def test_keep_forward_copies_halves_a_frozen_base_and_trains_it_bit_for_bit_as_before(checkpoint, recipe, halves):
+    """`qtensor.keep_forward_copies_` after `get_peft_model`: every frozen base weight whose format
+    rebuilds dgrad's copy keeps the forward's only (half the bytes), the adapters untouched; LoRA
+    then trains to the same losses and adapters, bit for bit, as over the base holding both copies.
+    A format whose copies differ (MXFP8) keeps both and says so."""
+
+    def train(model):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        torch.manual_seed(5)  # the gradients' stochastic rounding (nvfp4) draws the same in both runs
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=TOKENS, labels=TOKENS).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+    both = lora_model(checkpoint, recipe)
+    one = lora_model(checkpoint, recipe)
+    weights = {name: p for name, p in one.named_parameters() if isinstance(p, qtensor.QuantizedTensor)}
+    before = sum(p.storage_nbytes() for p in weights.values())
+    kept = qtensor.keep_forward_copies_(one)
+    assert set(kept) == set(weights)
+    after = sum(p.storage_nbytes() for p in weights.values())
+    if not halves:
+        assert after == before and all(text.startswith("both copies") for text in kept.values())
+        return
+    assert after < 0.51 * before and all(p.columnwise is None for p in weights.values())
+    (losses, adapters), (expected_losses, expected_adapters) = train(one), train(both)
+    assert losses == expected_losses
+    assert all(torch.equal(adapters[name], expected_adapters[name]) for name in expected_adapters)
+
+
 def test_peft_saves_the_adapters_and_loads_them_onto_a_quantized_base(checkpoint, tmp_path):
     """peft's own save_pretrained writes the adapters alone; PeftModel.from_pretrained over a fresh
     quantized base gives the same logits."""
