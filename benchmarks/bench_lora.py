@@ -61,7 +61,7 @@ def build(system: str, shape: str, device: str, checkpointing: bool = False, com
                 if isinstance(module, nn.Linear):
                     module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
     elif system != "bf16":
-        recipe, *words = system.split()
+        recipe = system.split()[0]
         qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, recipe)(), weights="quantized")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))

@@ -48,5 +48,6 @@ def profile(system: str, batch: int, seq: int, top: int) -> None:
     print(f"== {system}: {total:.1f} ms of GPU time in one step", flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70), flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -432,16 +432,20 @@ def keep_forward_copies_(model: nn.Module) -> dict[str, str]:
     fine-tuning base under its adapters) keep only the forward's copy where its format rebuilds
     dgrad's from it (`Quantizer.rebuild_direction`: per-tensor Float8, 128×128 FP8 blocks, NVFP4's
     16×16 tiles): half its bytes, the backward re-laying out dgrad's copy each time it runs, bit
-    for bit the copy dropped. Returns, by parameter name, what each frozen held weight now keeps."""
+    for bit the copy dropped. Returns, by parameter name, what each frozen held weight keeps.
+    Under FSDP2, call it on the sharded model before its first forward: a gather made before
+    keeps the copy it brought."""
     kept = {}
     for module_name, module in model.named_modules():
         for attribute in module.__dict__.get("_qtensor_layers") or {}:
             weight = getattr(module, attribute)
             local = getattr(weight, "_local_tensor", weight)  # a DTensor's shard under FSDP2
-            if weight.requires_grad or not isinstance(local, QuantizedTensor) or local.columnwise is None:
+            if weight.requires_grad or not isinstance(local, (QuantizedTensor, QuantizedStack)):
                 continue
             name = _join(module_name, attribute)
-            if local.rowwise is None or local.columnwise is local.rowwise:
+            if isinstance(local, QuantizedStack):
+                kept[name] = "both copies: an expert stack keeps its experts' two copies"
+            elif local.rowwise is None or local.columnwise is None or local.columnwise is local.rowwise:
                 kept[name] = "one copy already"
             elif local.quantizer.rebuild_direction(local.rowwise, "columnwise") is None:
                 kept[name] = f"both copies: its {local.quantizer.quantizer_for('columnwise').format_name} columnwise copy differs from the rowwise one"

@@ -95,8 +95,8 @@ def _columns_kernel(
     run_end = tl.load(ends_ptr + group).to(tl.int64)
     run_start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # Runs of whole 16s (the callers' padding): 16-byte vectors along them, which masks at a run's
-    # end would otherwise break into single bytes.
+    # Runs of whole 16s (the callers' padding): where the runs are contiguous, 16-byte vectors along
+    # them, which masks at a run's end would otherwise break into single bytes.
     run_start = tl.multiple_of(run_start, 16)
     a_rows = a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + run_start * stride_ar
     b_rows = b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + run_start * stride_br
@@ -149,6 +149,9 @@ def _columns(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, t
     epilogue's factors, rounded to `out_dtype` and stored as `stored_dtype` (default: the same);
     a group with an empty run gets zeros."""
     n, k, experts = a.shape[0], b.shape[0], ends.shape[0]
+    # The kernel steps along a run by int32 offsets times the stride: an operand strided along its
+    # runs (an MXFP8 columnwise copy read in place) must hold fewer than 2**31 elements.
+    a, b = (t if t.stride(1) == 1 or t.numel() < 2**31 else t.contiguous() for t in (a, b))
     stored_dtype = stored_dtype or out_dtype
     if out_dtype not in (stored_dtype, torch.bfloat16):
         raise ValueError(f"grouped_mm: a product rounded to {out_dtype} is stored in its own dtype, not {stored_dtype}.")
@@ -195,8 +198,8 @@ def bf16_rows(a, b, a_scale, b_scale, ends, out_dtype, tile=None):
 def bf16_columns(a, b, a_scale, b_scale, ends, out_dtype, tile=None, stored_dtype=None):
     """C [E, N, K], C_e = A[:, run e] · B[:, run e]ᵀ of bf16 values (A [N, R], B [K, R], any strides,
     runs of whole 16s), summed in fp32, times group e's tensor scales (either or both None),
-    rounded once to `out_dtype`, stored
-    as `stored_dtype` (default: the same); an empty run gives zeros."""
+    rounded once to `out_dtype`, stored as `stored_dtype` (default: the same); an empty run gives
+    zeros."""
     a_ptr, b_ptr, *modes = _scales(a_scale, b_scale, a)
     return _columns(a, a_ptr, b, b_ptr, ends, out_dtype, None, modes, tile or TILES["bf16 columns"], stored_dtype)
 

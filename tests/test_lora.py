@@ -152,6 +152,7 @@ def test_keep_forward_copies_halves_a_frozen_base_and_trains_it_bit_for_bit_as_b
         assert after == before and all(text.startswith("both copies") for text in kept.values())
         return
     assert after < 0.51 * before and all(p.columnwise is None for p in weights.values())
+    assert set(qtensor.keep_forward_copies_(one).values()) == {"one copy already"}  # a second call: nothing left to drop
     (losses, adapters), (expected_losses, expected_adapters) = train(one), train(both)
     assert losses == expected_losses
     assert all(torch.equal(adapters[name], expected_adapters[name]) for name in expected_adapters)

@@ -138,10 +138,10 @@ class Quantizer:
 
     def rebuild_direction(self, storage: Storage, direction: str) -> "Storage | None":
         """`storage`, one copy this quantizer made, re-laid out as its copy for `direction`, bytes
-        equal to that copy's cast; None where the two copies differ. Here what the storage itself
-        can rebuild (`Storage.to_direction`: per-tensor Float8's transpose, square FP8 blocks); a
-        quantizer whose casts make the copies alike in a way the storage does not record says so
-        (NVFP4's 16×16 tiles)."""
+        equal to that copy's cast; None where the two copies differ. By default the storage's own
+        `to_direction` (per-tensor Float8's transpose, square FP8 blocks), where one quantizer makes
+        both copies; a quantizer whose casts make the copies alike in a way the storage does not
+        record overrides this (NVFP4's 16×16 tiles)."""
         return storage.to_direction(direction) if self.quantizer_for(direction) is self.quantizer_for(storage.direction) else None
 
     def tensor_amaxes(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor] | None:

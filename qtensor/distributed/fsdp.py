@@ -95,7 +95,10 @@ def directions_held(needed, tensor: QuantizedTensor):
     keeping the forward's copy): a direction it lacks is rebuilt where the backward reads it
     (`Quantizer.rebuild_direction`), from the copy it holds, which is gathered instead."""
     held = tuple(d for d in DIRECTIONS if getattr(tensor, d) is not None)
-    fit = lambda directions: tuple(dict.fromkeys(d if d in held else held[0] for d in directions))
+
+    def fit(directions):
+        return tuple(dict.fromkeys(d if d in held else held[0] for d in directions))
+
     directions, phases = needed
     return fit(directions), tuple(fit(phase) for phase in phases)
 
