@@ -247,3 +247,24 @@ def test_stochastic_rounding_with_the_same_seed_is_reproducible(inputs):
         a, b = getattr(first, direction), getattr(second, direction)
         oracle.assert_same_codes(b.data, oracle.as_codes(a.data), what=f"{direction} codes")
         oracle.assert_same_codes(b.scale_inv, oracle.as_codes(a.scale_inv), what=f"{direction} scales")
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (33, 17), (7, 5), (1, 1), (72, 200)], ids=str)
+@pytest.mark.parametrize("kind", ["varied", "special"])
+@pytest.mark.parametrize("kept", ["rowwise", "columnwise"])
+def test_a_2d_tiled_tensor_rebuilds_its_dropped_copy_as_the_oracle_casts_it(inputs, shape, kind, kept):
+    """16x16 tiles hold the same values both ways: a tensor keeping one copy (`update_usage`)
+    rebuilds the other, and it is the oracle's cast of that direction, codes, scales and global
+    amax (odd sizes, partial tiles, and tiles with NaN and ±Inf included). 1x16 blocks cannot: they
+    say so."""
+    x = inputs.make(kind, shape, torch.float32)
+    dropped = "columnwise" if kept == "rowwise" else "rowwise"
+    q = qtensor.NVFP4Quantizer(block_2d=True).quantize(x)
+    q.update_usage(**{dropped: False})
+    assert getattr(q, dropped) is None
+    q.update_usage(**{dropped: True})
+    assert_storage_matches(getattr(q, dropped), oracle.nvfp4(as_2d(x), dropped, block_2d=True), dropped)
+    one_d = qtensor.NVFP4Quantizer().quantize(x)
+    one_d.update_usage(**{dropped: False})
+    with pytest.raises(ValueError, match="cannot rebuild"):
+        one_d.update_usage(**{dropped: True})
