@@ -91,6 +91,21 @@ def lora_model(path, recipe, seed=0):
 TOKENS = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
 
 
+def train_lora(model, steps: int, lr: float = 1e-2) -> list[float]:
+    """`steps` AdamW steps on the adapters (the parameters needing a gradient) under bf16 autocast
+    on TOKENS: the losses."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=TOKENS, labels=TOKENS).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def base_bytes(model):
     return {name: b.clone() for name, module in model.named_modules() if isinstance(module, nn.Linear) and hasattr(module.weight, "rowwise")
             for name, b in ((f"{name}.{d}.{k}", v) for d in ("rowwise", "columnwise") if getattr(module.weight, d) is not None
@@ -107,15 +122,7 @@ def test_lora_trains_over_a_base_loaded_quantized_and_leaves_it_untouched(checkp
     assert len(before) > 0
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(6):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=TOKENS, labels=TOKENS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_lora(model, 6)
     assert losses[-1] < losses[0] - 0.05
     after = base_bytes(model)
     assert all(torch.equal(before[name].reshape(-1).view(torch.uint8), after[name].reshape(-1).view(torch.uint8)) for name in before)
@@ -129,16 +136,8 @@ def test_keep_forward_copies_halves_a_frozen_base_and_trains_it_bit_for_bit_as_b
     A format whose copies differ (MXFP8) keeps both and says so."""
 
     def train(model):
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        losses = []
         torch.manual_seed(5)  # the gradients' stochastic rounding (nvfp4) draws the same in both runs
-        for _ in range(3):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=TOKENS, labels=TOKENS).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_lora(model, 3)
         return losses, {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
     both = lora_model(checkpoint, recipe)
@@ -235,13 +234,7 @@ def test_qtensor_trainer_trains_a_peft_model_with_checkpointing_and_accumulation
 
 
 def _train_lora(model, steps=30):
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=TOKENS, labels=TOKENS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_lora(model, steps, lr=3e-3)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         return model(input_ids=TOKENS, labels=TOKENS).loss.item()
 
