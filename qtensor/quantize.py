@@ -14,7 +14,7 @@ from .layers.config import LayerRunning, LinearQuantizers, carries_quantizers
 from .recipes import Recipe
 from .core.tensor import QuantizedTensor
 from .distributed import tensor_parallel  # noqa: F401 (installs the hook that gives tensor-parallel layers their forward hooks)
-from .layers.weight import quantized_weight
+from .layers.weight import QuantizedWeight, quantized_weight
 from .layers.quantized_stack import QuantizedStack, quantized_stack
 from .layers.stack_ops import assembled_entry, expanded_entries, is_stack, state_entry
 from .report import QuantizeReport
@@ -440,14 +440,14 @@ def keep_forward_copies_(model: nn.Module) -> dict[str, str]:
         for attribute in module.__dict__.get("_qtensor_layers") or {}:
             weight = getattr(module, attribute)
             local = getattr(weight, "_local_tensor", weight)  # a DTensor's shard under FSDP2
-            if weight.requires_grad or not isinstance(local, (QuantizedTensor, QuantizedStack)):
+            if weight.requires_grad or not isinstance(local, (QuantizedWeight, QuantizedStack)):
                 continue
             name = _join(module_name, attribute)
             if isinstance(local, QuantizedStack):
                 kept[name] = "both copies: an expert stack keeps its experts' two copies"
             elif local.rowwise is None or local.columnwise is None or local.columnwise is local.rowwise:
                 kept[name] = "one copy already"
-            elif local.quantizer.rebuild_direction(local.rowwise, "columnwise") is None:
+            elif not local.rebuilds_columnwise():  # (asked once per weight, as its forward asks)
                 kept[name] = f"both copies: its {local.quantizer.quantizer_for('columnwise').format_name} columnwise copy differs from the rowwise one"
             else:
                 before = local.storage_nbytes()

@@ -96,7 +96,7 @@ class QuantizedWeight(LayerWeight):
         return QuantizedTensor.__getattr__(self, name)
 
     def linear_operand(self, *, columnwise: bool, training: bool):
-        if columnwise and not self.has_columnwise and not self._rebuilds_columnwise():
+        if columnwise and not self.has_columnwise and not self.rebuilds_columnwise():
             raise ValueError(
                 f"The quantized weight of {self.linear_quantizers.name or 'this layer'} holds no columnwise copy, "
                 f"which dgrad needs, and its format ({self.rowwise.format_name}) cannot rebuild it from the rowwise "
@@ -116,7 +116,7 @@ class QuantizedWeight(LayerWeight):
             )
         return (self, cast.notes, cast.version) if cast is not None else (self, [], None)
 
-    def _rebuilds_columnwise(self) -> bool:
+    def rebuilds_columnwise(self) -> bool:
         """Whether the rowwise copy re-lays out as the columnwise one (asked once per weight): a
         weight that keeps only the forward's copy then gives dgrad's at each backward."""
         if "_rebuilds" not in self.__dict__:
