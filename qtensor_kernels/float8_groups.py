@@ -1,22 +1,22 @@
 """Triton kernels of the grouped Float8 casts (qtensor/formats/float8_groups.py), bit-identical to
 their pure-torch references there:
 
-- `column_amax(x, starts, lengths, longest, rows)`: [G, K] finite amax of each column over each
+- `column_amax(x, starts, lengths, rows)`: [G, K] finite amax of each column over each
   group of rows of `x` [R, K] (group g: rows starts[g] ... starts[g] + lengths[g] - 1; 0 for an
   empty group), and with `rows` each row's finite amax too, from the same read.
 - `scales(amax, fp8_max, amax_epsilon, pow2)`: Float8's current scale of each amax, fp8_max /
   max(amax, amax_epsilon) (1 for 0, FLT_MAX on overflow, rounded down to a power of two with
   `pow2`), and its inverse, each division correctly rounded (numerics.exact_quotient): one launch
   where the reference takes a dozen small ones.
-- `cast(x, scale, starts, lengths, longest, fp8_dtype, row_out, col_out, col_bases, col_stride,
+- `cast(x, scale, starts, lengths, padded_rows, fp8_dtype, row_out, col_out, col_bases, col_stride,
   row_scale)`: each group's rows cast at its per-column scales `scale[g, k]` (a tensor scale: one
   column broadcast), written transposed into `col_out` (group g's codes of column k at
   `col_out[k * col_stride + col_bases[g] + i]` for its row i, running on to a multiple of 16 rows,
   the grouped GEMM's alignment, with zero codes) and rowwise into `row_out` [R, K], at `row_scale`
   [R] (one scale per row) where it is given. Both copies from one read of `x`.
 
-The casts: one program per (group, block of rows, block of columns); a block past its group's rows
-returns.
+The cast: one program per (block of rows of one group's padded run, block of columns), the runs'
+blocks one after another, each program finding its group from the lengths on the device.
 """
 
 import torch
@@ -51,7 +51,7 @@ def _column_amax_kernel(
     tl.store(out_ptr + group.to(tl.int64) * K + cols, tl.max(top, axis=0), mask=cols < K)
 
 
-def column_amax(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, longest: int, rows: bool = False):
+def column_amax(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, rows: bool = False):
     """[G, K] fp32: the finite amax of each column of `x` [R, K] over each group's rows; with `rows`,
     also [R] the finite amax of each row (from the same read)."""
     groups, k = lengths.shape[0], x.shape[1]
@@ -66,19 +66,28 @@ def column_amax(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, lo
 
 @triton.jit
 def _cast_kernel(
-    x_ptr, scale_ptr, row_scale_ptr, starts_ptr, lengths_ptr, bases_ptr, row_ptr, col_ptr, K, stride_r, scale_stride_g, scale_stride_k,
+    x_ptr, scale_ptr, row_scale_ptr, starts_ptr, lengths_ptr, bases_ptr, row_ptr, col_ptr, G, K, stride_r, scale_stride_g, scale_stride_k,
     col_stride, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, ROWWISE: tl.constexpr, ROW_SCALES: tl.constexpr, COLUMNWISE: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr, G_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    group = tl.program_id(0)
-    start, length = tl.load(starts_ptr + group), tl.load(lengths_ptr + group)
-    padded = (length + ALIGN - 1) // ALIGN * ALIGN
-    first = tl.program_id(1) * BLOCK_R
-    if first >= padded:
+    # Program (tile, column block): the tiles of BLOCK_R rows of every group's padded run, one
+    # after another; each program finds its group from the lengths on the device (the host sends
+    # a bound on the tiles, not the groups' sizes).
+    tile = tl.program_id(0)
+    ids = tl.arange(0, G_POW2)
+    all_lengths = tl.load(lengths_ptr + ids, mask=ids < G, other=0)
+    tiles = tl.where(ids < G, ((all_lengths + ALIGN - 1) // ALIGN * ALIGN + BLOCK_R - 1) // BLOCK_R, 0)
+    tiles_through = tl.cumsum(tiles, 0)
+    group = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    if group >= G:
         return
+    this = ids == group
+    first = (tile - tl.sum(tl.where(this, tiles_through - tiles, 0), 0)) * BLOCK_R
+    start, length = tl.load(starts_ptr + group), tl.sum(tl.where(this, all_lengths, 0), 0)
+    padded = (length + ALIGN - 1) // ALIGN * ALIGN
     local = first + tl.arange(0, BLOCK_R)
     rows = start + local.to(tl.int64)
-    cols = tl.program_id(2).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (local[:, None] < length) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + group.to(tl.int64) * scale_stride_g + cols * scale_stride_k, mask=cols < K, other=1.0)
@@ -96,22 +105,24 @@ def _cast_kernel(
         tl.store(target, tl.trans(codes), mask=(cols[:, None] < K) & (local[None, :] < padded))
 
 
-def cast(x, scale, starts, lengths, longest: int, fp8_dtype, row_out, col_out, col_bases, col_stride: int, row_scale=None) -> None:
+def cast(x, scale, starts, lengths, padded_rows: int, fp8_dtype, row_out, col_out, col_bases, col_stride: int, row_scale=None) -> None:
     """Write the grouped codes of `x` [R, K] at `scale` ([G, K], strides any) into `row_out` (at
-    `row_scale` [R] instead where given) and/or `col_out` (None: that copy is not written)."""
+    `row_scale` [R] instead where given) and/or `col_out` (None: that copy is not written).
+    `padded_rows`: the groups' padded runs together, or a bound on them (the host need not know
+    the groups' sizes: the programs past the last run return)."""
     groups, k = lengths.shape[0], x.shape[1]
     block_r, block_k = _CAST_TILE
-    if not groups or not k or longest == 0 or (row_out is None and col_out is None):
+    if not groups or not k or padded_rows == 0 or (row_out is None and col_out is None):
         return
-    grid = (groups, triton.cdiv(longest, block_r), triton.cdiv(k, block_k))
+    grid = (triton.cdiv(padded_rows, block_r) + groups, triton.cdiv(k, block_k))
     row = row_out.view(torch.uint8) if row_out is not None else None
     col = col_out.view(torch.uint8) if col_out is not None else None
     launch(
         _cast_kernel, grid,
         x, scale, row_scale if row_scale is not None else scale, starts, lengths, col_bases if col_bases is not None else starts,
-        row if row is not None else col, col if col is not None else row, k, x.stride(0), scale.stride(0), scale.stride(1), col_stride,
+        row if row is not None else col, col if col is not None else row, groups, k, x.stride(0), scale.stride(0), scale.stride(1), col_stride,
         FP8_MAX=_FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2, ROWWISE=row is not None, ROW_SCALES=row_scale is not None,
-        COLUMNWISE=col is not None, ALIGN=ALIGN, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+        COLUMNWISE=col is not None, ALIGN=ALIGN, G_POW2=triton.next_power_of_2(groups), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
     )
 
 

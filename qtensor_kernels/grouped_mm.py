@@ -49,7 +49,7 @@ def _epilogue(acc, a_scale_ptr, a_index, a_ok, b_scale_ptr, b_index, b_ok, group
 
 @triton.jit
 def _rows_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, N, K, stride_am, stride_be, stride_bn, stride_om,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr, E, M, N, K, stride_am, stride_be, stride_bn, stride_om,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
     GROUP_SCALES: tl.constexpr, A_AMAX_MAX: tl.constexpr, B_AMAX_MAX: tl.constexpr,
 ):
@@ -61,7 +61,11 @@ def _rows_kernel(
     tiles = tl.where(group_ids < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     tiles_through = tl.cumsum(tiles, 0)
     group = tl.sum((tiles_through <= tile).to(tl.int32), 0)
-    if group >= E:
+    if group >= E:  # the rows past the last group's, if any: zeros
+        tail = tl.max(ends, 0) + (tile - tl.sum(tiles, 0)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + tail[:, None] * stride_om + offs_n[None, :], zeros, mask=(tail[:, None] < M) & (offs_n[None, :] < N))
         return
     this = group_ids == group
     first_tile = tl.sum(tl.where(this, tiles_through - tiles, 0), 0)
@@ -129,15 +133,17 @@ def _scales(a_scale, b_scale, some: torch.Tensor):
 
 def _rows(a, a_scale, b, b_scale, ends, out_dtype, imprecise, group_scales, tile):
     """C [M, N] = rows of group e of A [M, K] times B_eᵀ, B [E, N, K] with K contiguous (any strides
-    along E and N), then the epilogue's factors (`group_scales`: (GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX))."""
+    along E and N), then the epilogue's factors (`group_scales`: (GROUP_SCALES, A_AMAX_MAX, B_AMAX_MAX));
+    rows past the last group's zero."""
     (m, k), (experts, n, _) = a.shape, b.shape
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, warps, stages = tile
     mode, a_max, b_max = group_scales
     if m and n:
-        grid = ((triton.cdiv(m, block_m) + experts) * triton.cdiv(n, block_n),)
+        # Tiles of every group's rows (at most one partial tile a group), then of the rows after the last group.
+        grid = ((triton.cdiv(m, block_m) + experts + 1) * triton.cdiv(n, block_n),)
         launch(
-            _rows_kernel, grid, a, a_scale, b, b_scale, out, ends, experts, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+            _rows_kernel, grid, a, a_scale, b, b_scale, out, ends, experts, m, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
             E_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             IMPRECISE=imprecise, GROUP_SCALES=mode, A_AMAX_MAX=a_max, B_AMAX_MAX=b_max, num_warps=warps, num_stages=stages,
         )

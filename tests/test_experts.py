@@ -626,6 +626,77 @@ def test_an_fp32_mxfp8_stacks_weight_gradient_is_stored_in_fp32_by_qtensors_kern
 
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fprop_fast", [False, True], ids=["split", "fast fprop"])
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_grouped_float8_layers_leave_the_groups_sizes_on_the_device(weights, fprop_fast):
+    """Row-wise Float8 over more than a few experts under bf16 autocast: the forward and backward
+    read nothing from the device (no `tolist`, `item`: the host never waits for the GPU), with an
+    empty group and rows past the last group's (zero in the output and the input's gradient).
+    Against the same layer with the sizes read to the host: bit for bit with the split
+    accumulator (the same kernels either way); with fast accumulation in the forward (torch's
+    grouped GEMM there with the sizes on the host, qtensor's without), within its bound."""
+    experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
+    rows = ends[-1] + 24
+    recipe = qtensor.Recipe(factory_for("float8_rowwise"), fprop_fast_accumulation=fprop_fast)
+    x, grad = varied(rows, k, seed=2).to(torch.bfloat16).cuda(), varied(rows, n, seed=3).to(torch.bfloat16).cuda()
+
+    def run(sizes_on_device):
+        module = nn.Module()
+        module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1))
+        qtensor.quantize_(module, recipe, weights=weights)
+        module.cuda()
+        offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+        reads = []
+        tolist, item = torch.Tensor.tolist, torch.Tensor.item
+        with mock.patch.object(grouped_linear, "sizes_on_device", wraps=grouped_linear.sizes_on_device) as decided, \
+                mock.patch.object(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t)), \
+                mock.patch.object(torch.Tensor, "item", lambda t: reads.append("item") or item(t)):
+            if not sizes_on_device:
+                decided.side_effect = lambda *args: False
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, x_grad, w_grad = run_grouped(module, x, grad, lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=offs))
+        return y.float(), x_grad.float(), w_grad.float(), reads
+
+    *free, reads = run(True)
+    *host, host_reads = run(False)
+    assert reads == [] and host_reads  # the host path reads the ends once
+    assert not free[0][ends[-1]:].any() and not free[1][ends[-1]:].any()
+    for ours, theirs in zip(free, host):
+        if fprop_fast:
+            torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=2**-6 * theirs.abs().max().item())
+        else:
+            assert torch.equal(ours, theirs)
+
+
+
+@pytest.mark.parametrize("case", ["float8_rowwise", "float8_e4m3"])
+def test_groups_whose_sizes_the_host_does_not_know_cast_as_groups_it_knows(case):
+    """`RowGroups(None, ends, rows=M)`: the groups' sizes stay on the device (read only when asked);
+    each row's group, the bound on the padded runs, and the grouped casts of the rows (rowwise,
+    and each group's columnwise run) are those of the same groups sized on the host, the rows past
+    the last group's aside."""
+    lengths = (5, 0, 40, 16, 0)
+    ends = torch.tensor(lengths).cumsum(0).to(torch.int32)
+    total, rows = sum(lengths), sum(lengths) + 11
+    unknown, known = RowGroups(None, ends, rows=rows), RowGroups(lengths, ends)
+    expected_groups = np.repeat(np.arange(len(lengths)), lengths)
+    assert np.array_equal(unknown.of_rows()[:total].numpy(), expected_groups)
+    assert unknown.aligned(16).padded_rows() >= sum(known.aligned(16).padded)
+    assert not unknown.sized_on_host and not unknown.aligned(16).sized_on_host
+    quantizer = factory_for(case)(qtensor.Role("linear", "input", "layer"))
+    x = varied(rows, 48, seed=7)
+    (row_u, col_u), (row_k, col_k) = quantizer.quantize_groups(x, unknown, True, True), quantizer.quantize_groups(x[:total], known, True, True)
+    assert torch.equal(row_u.data[:total].view(torch.uint8), row_k.data.view(torch.uint8))
+    assert torch.equal(row_u.scale_inv[:total], row_k.scale_inv)
+    columns = col_k.data.shape[1]
+    assert torch.equal(col_u.data[:, :columns].view(torch.uint8), col_k.data.view(torch.uint8))
+    assert torch.equal(col_u.scale_inv, col_k.scale_inv)
+    assert unknown.lengths == lengths  # read from the device when asked
+
+
+
 def test_a_second_grouped_gemm_over_the_same_offsets_reads_no_ends_from_the_device():
     """The gate_up and down GEMMs of a layer share their offsets: the second takes the ends the first
     read (no second device-to-host read), until the offsets change in place, when they are read again."""

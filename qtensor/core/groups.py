@@ -21,13 +21,36 @@ class RowGroups:
     `starts` and `device_lengths`, and where a columnwise copy runs each group on to a multiple of
     `align` columns (zero codes after its rows), `padded` lengths and the `bases` of those runs.
     Everything on the device is derived from `ends` there (no copy from the host, no sync), each
-    when first asked for: a grouped GEMM's host time is mostly such small launches."""
+    when first asked for: a grouped GEMM's host time is mostly such small launches.
 
-    def __init__(self, lengths: tuple[int, ...], ends: torch.Tensor, align: int = 1, bases: torch.Tensor | None = None):
-        self.lengths, self.align, self.ends = tuple(lengths), align, ends
+    Made with `lengths` None, the host does not know the groups' sizes: `rows` bounds them (the
+    groups lie within the first `rows` rows), and `lengths` is read from the device only where
+    something asks for it (a sync: the host waits for the GPU). A path that never asks launches
+    everything at once (layers/grouped_linear.py, Float8 on a GPU)."""
+
+    def __init__(self, lengths: tuple[int, ...] | None, ends: torch.Tensor, align: int = 1, bases: torch.Tensor | None = None, rows: int | None = None):
+        self.align, self.ends = align, ends
+        if lengths is not None:
+            self.__dict__["lengths"] = tuple(lengths)
+        self.rows = sum(lengths) if lengths is not None else rows
         if bases is not None:
             self.bases = bases
         self._aligned: dict[int, RowGroups] = {align: self}
+
+    @functools.cached_property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in torch.diff(self.ends, prepend=self.ends.new_zeros(1)).tolist())
+
+    @property
+    def sized_on_host(self) -> bool:
+        """Whether the host knows the groups' sizes (asking for them costs no sync)."""
+        return "lengths" in self.__dict__
+
+    def padded_rows(self) -> int:
+        """The groups' padded runs together, or where the host does not know the sizes, a bound."""
+        if self.sized_on_host:
+            return sum(self.padded)
+        return self.rows + self.ends.shape[0] * (self.align - 1)
 
     @functools.cached_property
     def padded(self) -> tuple[int, ...]:
@@ -56,7 +79,7 @@ class RowGroups:
         """These groups with columnwise runs of multiples of `align`, sharing what both derive alike
         (made once per alignment)."""
         if align not in self._aligned:
-            other = RowGroups(self.lengths, self.ends, align=align)
+            other = RowGroups(self.__dict__.get("lengths"), self.ends, align=align, rows=self.rows)
             other.__dict__.update({name: self.__dict__[name] for name in ("device_lengths", "starts") if name in self.__dict__})
             other._aligned = self._aligned
             self._aligned[align] = other
@@ -68,7 +91,11 @@ class RowGroups:
         return ends if ends.dtype == torch.int32 else ends.to(torch.int32)
 
     def of_rows(self) -> torch.Tensor:
-        """The group of every row, on the device."""
+        """The group of every row, on the device (of each of the first `rows` where the host does not
+        know the sizes; a row past the last group: the last group)."""
+        if not self.sized_on_host:
+            rows = torch.arange(self.rows, device=self.ends.device)
+            return torch.searchsorted(self.ends.long(), rows, right=True).clamp_(max=self.ends.shape[0] - 1)
         groups = torch.arange(len(self.lengths), device=self.ends.device)
         return torch.repeat_interleave(groups, self.device_lengths, output_size=sum(self.lengths))
 

@@ -67,7 +67,7 @@ def _column_amax(x: torch.Tensor, groups: RowGroups, rows: bool = False):
     """[G, K] each group's finite column amaxes, and with `rows` [R] each row's (one read of `x`)."""
     kernel = lookup("float8_groups.column_amax", x)
     if kernel is not None:
-        return kernel(x, groups.starts, groups.device_lengths, max(groups.lengths, default=0), rows)
+        return kernel(x, groups.starts, groups.device_lengths, rows)
     magnitude = x.float().abs()
     magnitude = torch.where(torch.isfinite(magnitude), magnitude, 0.0)  # NaN and ±Inf do not set a scale
     columns = torch.segment_reduce(magnitude, "max", lengths=groups.device_lengths, axis=0, unsafe=True, initial=0.0)
@@ -81,7 +81,7 @@ def _cast(x, scale, groups: RowGroups, fp8_dtype, rowwise: bool, col_out, col_st
     row_out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
     kernel = lookup("float8_groups.cast", x)
     if kernel is not None:
-        kernel(x, scale, groups.starts, groups.device_lengths, max(groups.padded, default=0), fp8_dtype, row_out, col_out,
+        kernel(x, scale, groups.starts, groups.device_lengths, groups.padded_rows(), fp8_dtype, row_out, col_out,
                groups.bases, col_stride, row_scale)
         return row_out
     one = torch.ones((), device=x.device)
@@ -91,7 +91,7 @@ def _cast(x, scale, groups: RowGroups, fp8_dtype, rowwise: bool, col_out, col_st
     if col_out is not None:  # each group's rows from its base on; the padding stays zero
         flat = col_out.view(torch.uint8).view(-1)
         index = groups.positions()[None, :] + torch.arange(x.shape[1], device=x.device)[:, None] * col_stride
-        flat[index.reshape(-1)] = codes.view(torch.uint8).t().reshape(-1)
+        flat[index.reshape(-1)] = codes[: index.shape[1]].view(torch.uint8).t().reshape(-1)  # (rows past the groups' left out)
     return row_out
 
 
@@ -112,7 +112,7 @@ def cast_rows(quantizer, x: torch.Tensor, groups: RowGroups, rowwise: bool, colu
     amaxes = _column_amax(x, groups, rows=rowwise and not tensor_scaled)
     col_amax, row_amax = amaxes if rowwise and not tensor_scaled else (amaxes, None)
     scale, scale_inv = quantizer.group_scales_and_inverses(col_amax)
-    columns = sum(groups.padded)
+    columns = groups.padded_rows()  # (a bound where the host does not know the groups' sizes: the runs fill a prefix)
     # Every column is written, the padding too, where the kernel runs; the reference leaves the padding as it is.
     allocate = torch.empty if lookup("float8_groups.cast", x) is not None else torch.zeros
     col_out = allocate((x.shape[1], columns), dtype=quantizer.fp8_dtype, device=x.device) if columnwise else None

@@ -52,9 +52,12 @@ def scaled_nt(a, b, out_dtype: torch.dtype, *, tensor_scaled: bool, fast_accumul
     weight gradient in its parameter's dtype), which qtensor's wgrad kernel stores directly."""
     stored_dtype = stored_dtype or out_dtype
     if _grouped_fp8_fits(a, b, out_dtype):
-        # qtensor's kernel for the split accumulator, and for a weight gradient stored wider than it is
-        # rounded (torch's would need a pass to convert it); torch's for the rest of fast accumulation.
-        ours = not fast_accumulation or (b.data.dim() == 2 and stored_dtype != out_dtype)
+        # qtensor's kernel for the split accumulator, for a weight gradient stored wider than it is
+        # rounded (torch's would need a pass to convert it), and for groups whose sizes the host does
+        # not know (it zeroes the rows past the last group's, which torch's leaves unwritten);
+        # torch's for the rest of fast accumulation.
+        sizes_unknown = a.groups is not None and not a.groups.sized_on_host
+        ours = not fast_accumulation or (b.data.dim() == 2 and stored_dtype != out_dtype) or sizes_unknown
         kernel = _float8_kernel(a, b, fast_accumulation) if ours else None
         if kernel is not None:
             return kernel(a, b, out_dtype, stored_dtype).to(stored_dtype)
@@ -81,7 +84,8 @@ def _float8_kernel(a, b, fast_accumulation: bool):
             a.data, a.scale_inv.reshape(-1), b.data.contiguous(), b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, fast_accumulation
         )
     kernel = lookup("grouped_mm.float8_columns", a.data)
-    if kernel is None or any(length % 16 for length in a.lengths):
+    # (A padded copy's runs are whole 16s by construction: its groups' sizes are not asked for.)
+    if kernel is None or (not a.padded and any(length % 16 for length in a.lengths)):
         return None
     return lambda a, b, out_dtype, stored_dtype: kernel(
         a.data, a.scale_inv.contiguous(), b.data, b.scale_inv.contiguous(), a.groups.offsets(a.padded), out_dtype, fast_accumulation, stored_dtype=stored_dtype
@@ -130,8 +134,9 @@ def _scaled_groups(a, b, lengths, out_dtype, tensor_scaled: bool, fast_accumulat
         return _finish(_fp32_matmul(values(a_g, a_inv), values(b_g, b_inv).t()), None, out_dtype)
 
     shape = (a.data.shape[0], b.data.shape[1]) if grouped_rows else (len(lengths), a.data.shape[0], b.data.shape[0])
-    # Every row of C belongs to a group; a group's matrix with no rows (wgrad) stays zero.
-    out = a.data.new_empty(shape, dtype=out_dtype) if grouped_rows else a.data.new_zeros(shape, dtype=out_dtype)
+    # A row of C past the last group's, and a group's matrix with no rows (wgrad), stay zero.
+    every_row = grouped_rows and sum(lengths) == a.data.shape[0]
+    out = a.data.new_empty(shape, dtype=out_dtype) if every_row else a.data.new_zeros(shape, dtype=out_dtype)
     return _each_group(out, lengths, grouped_rows, product)
 
 

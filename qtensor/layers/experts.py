@@ -63,6 +63,10 @@ def stack_orientation(module) -> bool:
 def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`grouped_mm(x, stack as [experts, in, out], offs=offs)`: rows `offs[e - 1]:offs[e]` through
     expert e's quantized linear; rows past `offs[-1]` zero."""
+    in_out = reads_in_out(stack)
+    if grouped.sizes_on_device(x, stack, offs):  # the host never reads the offsets: checked on the device
+        _check_offsets_on_device(offs, stack, x)
+        return grouped.grouped_linear(x, stack, None, in_out, offs)
     ends = _host_ends(offs)
     if len(ends) != stack.shape[0] or any(b < a for a, b in zip([0, *ends], ends)) or (ends and ends[-1] > x.shape[0]):
         raise ValueError(
@@ -70,7 +74,6 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
             f"non-decreasing group ends within the input's {x.shape[0]} rows."
         )
     # A stack without running state to note: one Function.
-    in_out = reads_in_out(stack)
     if not stack.linear_quantizers.records_amaxes:
         return grouped.grouped_linear(x, stack, ends, in_out, offs)  # the whole stack in one autograd Function
     # Each expert's linear records its amaxes, reduced over the layer's group where it has one: then
@@ -83,6 +86,16 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, offs: torch.Tensor) -> 
             pieces.append(_expert_linear(x[start:end], stack, expert, in_out))
         start = end
     return _joined(pieces, x, stack, x.shape[0] - start, in_out)
+
+
+def _check_offsets_on_device(offs: torch.Tensor, stack, x: torch.Tensor) -> None:
+    """The checks of `grouped_linear`'s offsets, made on the device where the host does not read
+    them: a failing one stops the program at the GPU's next synchronisation with this message."""
+    name = stack.linear_quantizers.name or "An expert stack"
+    if offs.dim() != 1 or offs.shape[0] != stack.shape[0]:
+        raise ValueError(f"{name}: grouped GEMM offsets of shape {list(offs.shape)} must be {stack.shape[0]} group ends.")
+    ordered = (torch.diff(offs, prepend=offs.new_zeros(1)) >= 0).all() & (offs[-1] <= x.shape[0])
+    torch._assert_async(ordered, f"{name}: grouped GEMM offsets must be non-decreasing group ends within the input's {x.shape[0]} rows.")
 
 
 def _reduces_over_ranks(linear) -> bool:

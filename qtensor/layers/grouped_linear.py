@@ -23,6 +23,7 @@ import torch
 
 from .. import gemm
 from ..core.groups import GroupedCopy, GroupedOperand, RowGroups
+from ..core.kernels import lookup
 from ..core.quantizer import INPUT_DTYPES
 from .config import LinearQuantizers
 from .linear import _output_dtype, _pack_saved, _quantize, _unpack_saved, restored_storage, saved_storage
@@ -111,8 +112,9 @@ class GroupedFloat8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stack, groups: RowGroups, linear: LinearQuantizers, needs_grad: tuple, in_out: bool):
         input_needs_grad, weight_needs_grad = needs_grad
-        total = sum(groups.lengths)
-        x_row, x_col = linear.input.quantize_groups(x[:total], groups, True, weight_needs_grad)
+        # The groups' rows (or, where the host does not know their sizes, every row: the GEMMs zero
+        # the rows past the last group's).
+        x_row, x_col = linear.input.quantize_groups(x[: groups.rows], groups, True, weight_needs_grad)
         if stack.quantized_at_use:
             values = stack.plain()
             weights = values.transpose(1, 2) if in_out else values  # [experts, out, in]
@@ -136,8 +138,7 @@ class GroupedFloat8Function(torch.autograd.Function):
         input_needs_grad, weight_needs_grad = ctx.needs_grad
         x_shape, x_dtype, stack_dtype, wgrad_dtype = ctx.shapes
         x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
-        total = sum(groups.lengths)
-        g_row, g_col = linear.grad_output.quantize_groups(grad_out[:total], groups, input_needs_grad, weight_needs_grad)
+        g_row, g_col = linear.grad_output.quantize_groups(grad_out[: groups.rows], groups, input_needs_grad, weight_needs_grad)
         grad_x = grad_stack = None
         fast = linear.backward_fast_accumulation
         if input_needs_grad:
@@ -291,10 +292,29 @@ def _pads_groups(linear: LinearQuantizers, stack, in_out: bool):
     return PaddedGroupsFunction if takes and stack.shape[0] > FEW_EXPERTS else None
 
 
-def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out: bool, offs: torch.Tensor | None = None) -> torch.Tensor:
+def sizes_on_device(x: torch.Tensor, stack, offs: torch.Tensor | None) -> bool:
+    """Whether the grouped linear of `x` over `stack` runs with the groups' sizes left on the device
+    (`grouped_linear` with `ends` None): the host never reads `offs` (`offs.tolist()` makes it wait
+    for the GPU, which then idles while the next casts are launched). Where every role is E4M3
+    Float8 cast for all groups at once and every GEMM runs on qtensor's grouped kernels (with the
+    split accumulator or fast accumulation: torch's would leave the rows past the last group's
+    unwritten), on a GPU, without delayed scaling's per-expert state."""
+    linear = stack.linear_quantizers
+    if offs is None or x.device.type != "cuda" or offs.device != x.device or not stack.shape[0] or linear.records_amaxes:
+        return False
+    if _casts_groups_at_once(linear, stack) is not GroupedFloat8Function:
+        return False
+    if not all(quantizer.fp8_dtype == torch.float8_e4m3fn for quantizer in (linear.input, linear.weight, linear.grad_output)):
+        return False  # (an E5M2 gradient's GEMMs run group by group, over the groups' sizes)
+    kernels = ("float8_groups.column_amax", "float8_groups.cast", "grouped_mm.float8_rows", "grouped_mm.float8_columns")
+    return all(lookup(name, x) is not None for name in kernels)
+
+
+def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int] | None, in_out: bool, offs: torch.Tensor | None = None) -> torch.Tensor:
     """The groups `ends` marks (cumulative row ends, one per expert; `offs`, the same on x's device
     where the caller has them there) through their experts' quantized linears, the stack's matrices
-    read as [in, out] where `in_out`; rows past the last end zero."""
+    read as [in, out] where `in_out`; rows past the last end zero. `ends` None: the host does not
+    read them (`sizes_on_device`), and `offs` gives them."""
     linear = stack.linear_quantizers
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{linear.name or 'An expert stack'}: input is {x.dtype}; quantized layers take float32, bfloat16 or float16 inputs.")
@@ -304,9 +324,13 @@ def grouped_linear(x: torch.Tensor, stack: torch.Tensor, ends: list[int], in_out
             f"{linear.name or 'An expert stack'}: input of shape {list(x.shape)} does not match the stack {list(stack.shape)}; "
             f"the input's last dimension must be {in_features}."
         )
-    groups = tuple((expert, start, end) for expert, (start, end) in enumerate(zip([0, *ends], ends)) if end > start)
     grad_enabled = torch.is_grad_enabled()
     needs = (grad_enabled and x.requires_grad, grad_enabled and stack.requires_grad)
+    if ends is None:  # the sizes stay on the device; a copy of the ends, as below
+        with torch._C.DisableTorchFunctionSubclass():
+            groups = RowGroups(None, offs.to(torch.int32, copy=True), rows=x.shape[0])
+            return GroupedFloat8Function.apply(x, stack, groups, linear, needs, in_out)
+    groups = tuple((expert, start, end) for expert, (start, end) in enumerate(zip([0, *ends], ends)) if end > start)
     with torch._C.DisableTorchFunctionSubclass():
         grouped = _casts_groups_at_once(linear, stack) or _pads_groups(linear, stack, in_out)
         if groups and grouped:
