@@ -47,10 +47,11 @@ class RowGroups:
         return "lengths" in self.__dict__
 
     def padded_rows(self) -> int:
-        """The groups' padded runs together, or where the host does not know the sizes, a bound."""
+        """The groups' padded runs together, or where the host does not know the sizes, a bound: a
+        whole number of `align`s (a GEMM over the runs reads rows of whole 16-byte lines)."""
         if self.sized_on_host:
             return sum(self.padded)
-        return self.rows + self.ends.shape[0] * (self.align - 1)
+        return -(-(self.rows + self.ends.shape[0] * (self.align - 1)) // self.align) * self.align
 
     @functools.cached_property
     def padded(self) -> tuple[int, ...]:
