@@ -1,6 +1,6 @@
 """Speed of a mixture of experts' expert stacks: bf16 grouped GEMMs against qtensor's recipes (GPU).
 
-    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--systems bf16,float8_current,...] [--steps 10] [--profile] [--gemms]
+    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--systems bf16,float8_current,...] [--steps 10] [--profile] [--gemms] [--cuda-graphs]
 
 One experts layer as torchtitan and transformers' `grouped_mm` implementation run it: tokens sorted
 by expert, `gate_up = grouped_mm(x, gate_up_proj^T, offs)`, SiLU(gate)·up, `grouped_mm(h, down_proj^T,
@@ -76,9 +76,10 @@ def routed_rows(rows: int, experts: int, hidden: int):
     return x, offs, torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
 
 
-def layer_step(system: str, shape: str):
+def layer_step(system: str, shape: str, graphs: bool = False):
     """One experts layer of `system` at `shape` and its routed rows: a function that runs one
-    forward and backward step on them."""
+    forward and backward step on them (with `graphs`, the replay of the step captured in one CUDA
+    graph: no host time, where nothing in the step waits for the GPU)."""
     rows, experts, hidden, width = SHAPES[shape]
     torch.manual_seed(0)
     model = Experts(experts, hidden, width).cuda()
@@ -90,19 +91,33 @@ def layer_step(system: str, shape: str):
     x, offs, grad = routed_rows(rows, experts, hidden)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphs):  # (a graph takes no cast cache)
             y = model(x, offs)
         y.backward(grad)
         x.grad = None
         for p in model.parameters():
             p.grad = None
 
-    return step
+    return captured(step) if graphs else step
 
 
-def measure(system: str, shape: str, steps: int, profile: bool = False) -> dict:
+def captured(step):
+    """`step` captured in one CUDA graph after warm-up steps on a side stream: its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def measure(system: str, shape: str, steps: int, profile: bool = False, graphs: bool = False) -> dict:
     rows = SHAPES[shape][0]
-    step = layer_step(system, shape)
+    step = layer_step(system, shape, graphs)
     seconds, peak = median_step_s(step, steps)
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -142,25 +157,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="after each system, its kernels of one step by GPU time")
     parser.add_argument("--gemms", action="store_true", help="time the grouped GEMMs alone (bf16, FP8 split and fast accumulation)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="each system's step captured in one CUDA graph and replayed")
     args = parser.parse_args()
     if args.gemms:
         for shape in args.shapes.split(","):
             gemms(shape, args.steps)
         return
     systems = args.systems.split(",") if args.systems else ["bf16", *(["torchao rowwise"] if torchao_grouped_mm() else []), *RECIPES]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; forward+backward of one experts layer, median of {args.steps} steps")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; forward+backward of one experts layer, median of {args.steps} steps"
+          + (", each captured in a CUDA graph" if args.cuda_graphs else ""))
     print(f"{'shape':<8} {'system':<38} {'rows/s':>12} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
     for shape in args.shapes.split(","):
         base = None
         for system in systems:
             try:
-                row = measure(system, shape, args.steps, args.profile)
+                row = measure(system, shape, args.steps, args.profile, args.cuda_graphs)
             except Exception as error:  # one system's failure is a row
                 print(f"{shape:<8} {system:<38} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
                 continue
             base = base or (row["tokens_per_s"] if system == "bf16" else None)
             ratio = f"{row['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
-            print(f"{shape:<8} {system:<38} {row['tokens_per_s']:>12,.0f} {row['ms']:>9.2f} {ratio} {row['peak_gib']:>9.2f}", flush=True)
+            peak = f"{'-':>9}" if args.cuda_graphs else f"{row['peak_gib']:>9.2f}"  # (a graph's memory is taken at its capture)
+            print(f"{shape:<8} {system:<38} {row['tokens_per_s']:>12,.0f} {row['ms']:>9.2f} {ratio} {peak}", flush=True)
             torch.cuda.empty_cache()
 
 

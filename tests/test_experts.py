@@ -6,6 +6,7 @@ dequantized by the independent numpy oracle (tests/oracle.py), multiplied in flo
 within fp32 accumulation-order tolerance.
 """
 
+import contextlib
 import copy
 from unittest import mock
 
@@ -501,7 +502,8 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
 def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumulation):
     """A bf16 stack of ten experts and its input, every dimension a multiple of 32: each GEMM of the
     grouped linear is one grouped GEMM over every group (Float8 on the FP8 tensor cores: qtensor's
-    grouped kernel for the split accumulator, `torch._scaled_grouped_mm` for fast accumulation;
+    grouped kernel for the split accumulator, and for fast accumulation where the groups' sizes stay
+    on the device (every role E4M3), else `torch._scaled_grouped_mm`;
     MXFP8: `torch._grouped_mm` over the exact bf16 values; per-tensor Float8 with an E5M2 gradient:
     the forward so, the backward group by group on the FP8 tensor cores, reading each group's slice
     of the grouped casts in place), within the bf16 output's rounding of the oracle's product,
@@ -536,8 +538,10 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
         assert (torch_launches, ours) == (0, [2, 1])
     elif case == "hybrid":  # MXFP8 forward: no tensor scales
         assert (torch_launches, ours) == (1, [1, 1])
+    elif fast and grouped_backward:  # every role E4M3: the sizes stay on the device, qtensor's kernels
+        assert (torch_launches, ours) == (0, [2, 1])
     elif fast:
-        assert (torch_launches, ours) == (3 if grouped_backward else 1, [0, 0])
+        assert (torch_launches, ours) == (1, [0, 0])
     else:
         assert (torch_launches, ours) == (0, [2, 1] if grouped_backward else [1, 0])
     deq = CASES[case][1]
@@ -556,14 +560,16 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sizes", ["host", "device"])
 @pytest.mark.parametrize("stack_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weights", WEIGHTS)
-def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights, stack_dtype):
-    """`Recipe(..., backward_fast_accumulation=True)` on a row-wise Float8 stack: dgrad and wgrad
-    launch torch's grouped GEMM with fast accumulation (fprop keeps the split accumulator, qtensor's
-    grouped kernel), but an fp32 stack's wgrad runs qtensor's kernel with fast accumulation, which
-    stores the bf16-rounded gradient in fp32 at once; each stays within its bound (2**-7 of
-    |A|·|B|, plus the bf16 output's rounding) of the oracle's product."""
+def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights, stack_dtype, sizes):
+    """`Recipe(..., backward_fast_accumulation=True)` on a row-wise Float8 stack, fprop with the
+    split accumulator (qtensor's grouped kernel). With the groups' sizes on the host, dgrad and
+    wgrad launch torch's grouped GEMM with fast accumulation, but an fp32 stack's wgrad runs
+    qtensor's kernel with fast accumulation, which stores the bf16-rounded gradient in fp32 at once;
+    with the sizes on the device, both run qtensor's kernels with fast accumulation. Each stays
+    within its bound (2**-7 of |A|·|B|, plus the bf16 output's rounding) of the oracle's product."""
     experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
     module = nn.Module()
     module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1).to(stack_dtype))
@@ -575,14 +581,20 @@ def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights, stack
     kernels.registered()
     split_fprop = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.float8_rows"])
     wgrad = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.float8_columns"])
+    on_host = mock.patch.object(grouped_linear, "sizes_on_device", lambda *args: False) if sizes == "host" else contextlib.nullcontext()
     with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches, \
             mock.patch.dict(kernels.TABLE.eager, {"grouped_mm.float8_rows": split_fprop, "grouped_mm.float8_columns": wgrad}), \
-            torch.autocast("cuda", dtype=torch.bfloat16):
+            on_host, torch.autocast("cuda", dtype=torch.bfloat16):
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
-    ours = stack_dtype == torch.float32
-    assert [c.kwargs["use_fast_accum"] for c in launches.call_args_list] == [True] * (1 if ours else 2)
-    assert split_fprop.call_count == 1  # fprop: the factory's own choice, the split accumulator (qtensor's kernel)
-    assert [c.args[6] for c in wgrad.call_args_list] == ([True] if ours else [])  # fast accumulation
+    if sizes == "host":
+        ours = stack_dtype == torch.float32
+        assert [c.kwargs["use_fast_accum"] for c in launches.call_args_list] == [True] * (1 if ours else 2)
+        assert [c.args[6] for c in split_fprop.call_args_list] == [False]  # fprop: the factory's own choice, the split accumulator
+        assert [c.args[6] for c in wgrad.call_args_list] == ([True] if ours else [])  # fast accumulation
+    else:
+        assert not launches.called
+        assert [c.args[6] for c in split_fprop.call_args_list] == [False, True]  # fprop split, dgrad fast
+        assert [c.args[6] for c in wgrad.call_args_list] == [True]
     deq = CASES["float8_rowwise"][1]
     for expert, (start, end) in enumerate(zip([0, *ends], ends)):
         if end == start:
@@ -636,8 +648,7 @@ def test_grouped_float8_layers_leave_the_groups_sizes_on_the_device(weights, fpr
     empty group and rows past the last group's (zero in the output and the input's gradient).
     Against the same layer with the sizes read to the host: bit for bit with the split
     accumulator (the same kernels either way); with fast accumulation in the forward (torch's
-    grouped GEMM, over the groups' rows or over every row and the rows past them zeroed after),
-    within its bound."""
+    grouped GEMM there with the sizes on the host, qtensor's without), within its bound."""
     experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
     rows = ends[-1] + 24
     recipe = qtensor.Recipe(factory_for("float8_rowwise"), fprop_fast_accumulation=fprop_fast)
