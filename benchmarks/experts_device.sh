@@ -2,8 +2,8 @@
 # The expert stacks on one GPU: the grouped GEMM kernels' CUDA tests and the stacks' (TESTS=0 skips
 # them), bench_grouped_mm.py --mxfp8 (GEMMS=0 skips it), bench_moe.py at the Qwen3-like shapes
 # ($SYSTEMS), and the MXFP8 systems with an fp32 stack's weight gradient converted after torch's
-# grouped GEMM, as before qtensor's kernel stored it (BEFORE=0 skips it); SIZES_BEFORE=1 the Float8
-# systems with the groups' sizes read to the host (as before they stayed on the device). LORA=1 adds
+# grouped GEMM, as before qtensor's kernel stored it (BEFORE=0 skips it); GRAPHS=1 the Float8
+# row-wise systems with each step captured in a CUDA graph (the groups' sizes left on the device). LORA=1 adds
 # benchmarks/bench_lora.py at the 1.1B shape and the LoRA CUDA tests. Logs go to $OUT.
 #   benchmarks/experts_device.sh
 source "$(dirname "$0")/device_env.sh"
@@ -25,14 +25,8 @@ grouped.lookup = lambda name, tensor: None if name == "grouped_mm.bf16_columns" 
 import runpy
 runpy.run_path("benchmarks/bench_moe.py", run_name="__main__")
 PY
-[ -z "${SIZES_BEFORE:-}" ] || timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/bench_moe_sizes_on_host.log"
-import sys
-sys.argv = ["bench_moe.py", "--shapes", "qwen3", "--systems", "bf16,float8_rowwise quantized,float8_rowwise", "--steps", "10"]
-from qtensor.layers import grouped_linear
-grouped_linear.sizes_on_device = lambda *args: False  # the groups' sizes read to the host (offs.tolist()), as before
-import runpy
-runpy.run_path("benchmarks/bench_moe.py", run_name="__main__")
-PY
+[ -z "${GRAPHS:-}" ] || timeout 200 python3 benchmarks/bench_moe.py --shapes qwen3,mixtral --cuda-graphs --steps 20 \
+    --systems "bf16,torchao rowwise,float8_rowwise quantized,float8_rowwise quantized fast-backward" 2>&1 | tee "$OUT/bench_moe_graphs.log"
 if [ "${TESTS:-1}" != 0 ]; then
     RUN_TIMEOUT=240 run experts_cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_experts.py tests/test_quantized_stacks.py
 fi

@@ -502,8 +502,7 @@ def test_a_grouped_gemm_on_the_gpu_runs_each_group_through_its_experts_quantized
 def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumulation):
     """A bf16 stack of ten experts and its input, every dimension a multiple of 32: each GEMM of the
     grouped linear is one grouped GEMM over every group (Float8 on the FP8 tensor cores: qtensor's
-    grouped kernel for the split accumulator, and for fast accumulation where the groups' sizes stay
-    on the device (every role E4M3), else `torch._scaled_grouped_mm`;
+    grouped kernel for the split accumulator, `torch._scaled_grouped_mm` for fast accumulation;
     MXFP8: `torch._grouped_mm` over the exact bf16 values; per-tensor Float8 with an E5M2 gradient:
     the forward so, the backward group by group on the FP8 tensor cores, reading each group's slice
     of the grouped casts in place), within the bf16 output's rounding of the oracle's product,
@@ -538,10 +537,8 @@ def test_grouped_gemms_run_every_group_in_one_launch(case, ends, weights, accumu
         assert (torch_launches, ours) == (0, [2, 1])
     elif case == "hybrid":  # MXFP8 forward: no tensor scales
         assert (torch_launches, ours) == (1, [1, 1])
-    elif fast and grouped_backward:  # every role E4M3: the sizes stay on the device, qtensor's kernels
-        assert (torch_launches, ours) == (0, [2, 1])
     elif fast:
-        assert (torch_launches, ours) == (1, [0, 0])
+        assert (torch_launches, ours) == (3 if grouped_backward else 1, [0, 0])
     else:
         assert (torch_launches, ours) == (0, [2, 1] if grouped_backward else [1, 0])
     deq = CASES[case][1]
@@ -568,7 +565,8 @@ def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights, stack
     split accumulator (qtensor's grouped kernel). With the groups' sizes on the host, dgrad and
     wgrad launch torch's grouped GEMM with fast accumulation, but an fp32 stack's wgrad runs
     qtensor's kernel with fast accumulation, which stores the bf16-rounded gradient in fp32 at once;
-    with the sizes on the device, both run qtensor's kernels with fast accumulation. Each stays
+    with the sizes on the device (as while a CUDA graph is captured), both run qtensor's kernels
+    with fast accumulation. Each stays
     within its bound (2**-7 of |A|·|B|, plus the bf16 output's rounding) of the oracle's product."""
     experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
     module = nn.Module()
@@ -581,10 +579,10 @@ def test_backward_fast_accumulation_reaches_the_grouped_fp8_gemms(weights, stack
     kernels.registered()
     split_fprop = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.float8_rows"])
     wgrad = mock.Mock(wraps=kernels.TABLE.eager["grouped_mm.float8_columns"])
-    on_host = mock.patch.object(grouped_linear, "sizes_on_device", lambda *args: False) if sizes == "host" else contextlib.nullcontext()
+    on_device = mock.patch.object(grouped_linear, "sizes_on_device", grouped_linear.takes_sizes_on_device) if sizes == "device" else contextlib.nullcontext()
     with mock.patch.object(torch, "_scaled_grouped_mm", wraps=torch._scaled_grouped_mm) as launches, \
             mock.patch.dict(kernels.TABLE.eager, {"grouped_mm.float8_rows": split_fprop, "grouped_mm.float8_columns": wgrad}), \
-            on_host, torch.autocast("cuda", dtype=torch.bfloat16):
+            on_device, torch.autocast("cuda", dtype=torch.bfloat16):
         y, x_grad, w_grad = (t.float().cpu() for t in run_grouped(module, x.cuda(), grad.cuda(), call))
     if sizes == "host":
         ours = stack_dtype == torch.float32
@@ -643,44 +641,69 @@ def test_an_fp32_mxfp8_stacks_weight_gradient_is_stored_in_fp32_by_qtensors_kern
 @pytest.mark.parametrize("fprop_fast", [False, True], ids=["split", "fast fprop"])
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_grouped_float8_layers_leave_the_groups_sizes_on_the_device(weights, fprop_fast):
-    """Row-wise Float8 over more than a few experts under bf16 autocast: the forward and backward
-    read nothing from the device (no `tolist`, `item`: the host never waits for the GPU), with an
-    empty group and rows past the last group's (zero in the output and the input's gradient).
-    Against the same layer with the sizes read to the host: bit for bit with the split
-    accumulator (the same kernels either way); with fast accumulation in the forward (torch's
-    grouped GEMM there with the sizes on the host, qtensor's without), within its bound."""
+    """Row-wise Float8 over more than a few experts under bf16 autocast, with an empty group and rows
+    past the last group's. Eager, the layer reads the groups' sizes to the host. Captured in a CUDA
+    graph (where the host cannot read them), its forward and backward leave them on the device,
+    and the replay is bit for bit the eager layer run so (`takes_sizes_on_device`), which reads
+    nothing from the device (no `tolist`, `item`) and zeroes the rows past the last group's in the
+    output and the input's gradient. That layer against the one with the sizes on the host: bit for
+    bit with the split accumulator (the same kernels either way); with fast accumulation in the
+    forward (torch's grouped GEMM with the sizes on the host, qtensor's without), within its bound."""
     experts, k, n, ends = 10, 128, 64, [32, 32, 96, 128, 128, 160, 192, 192, 224, 256]
     rows = ends[-1] + 24
     recipe = qtensor.Recipe(factory_for("float8_rowwise"), fprop_fast_accumulation=fprop_fast)
     x, grad = varied(rows, k, seed=2).to(torch.bfloat16).cuda(), varied(rows, n, seed=3).to(torch.bfloat16).cuda()
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
 
-    def run(sizes_on_device):
+    def layer():
         module = nn.Module()
         module.weight_stack = nn.Parameter(varied(experts, n, k, seed=1))
         qtensor.quantize_(module, recipe, weights=weights)
-        module.cuda()
-        offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
-        reads = []
+        return module.cuda()
+
+    def step(module, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            y = F.grouped_mm(x, module.weight_stack.transpose(-2, -1), offs=offs)
+        y.backward(grad)
+        return y
+
+    def eager(on_device):
+        module, reads = layer(), []
         tolist, item = torch.Tensor.tolist, torch.Tensor.item
-        with mock.patch.object(grouped_linear, "sizes_on_device", wraps=grouped_linear.sizes_on_device) as decided, \
+        decide = grouped_linear.takes_sizes_on_device if on_device else grouped_linear.sizes_on_device
+        with mock.patch.object(grouped_linear, "sizes_on_device", decide), \
                 mock.patch.object(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t)), \
                 mock.patch.object(torch.Tensor, "item", lambda t: reads.append("item") or item(t)):
-            if not sizes_on_device:
-                decided.side_effect = lambda *args: False
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y, x_grad, w_grad = run_grouped(module, x, grad, lambda m, x: F.grouped_mm(x, m.weight_stack.transpose(-2, -1), offs=offs))
-        return y.float(), x_grad.float(), w_grad.float(), reads
+            x_ = x.clone().requires_grad_(True)
+            y = step(module, x_)
+        return [t.float() for t in (y, x_.grad, module.weight_stack.grad)], reads
 
-    *free, reads = run(True)
-    *host, host_reads = run(False)
-    assert reads == [] and host_reads  # the host path reads the ends once
+    def graphed():
+        module, x_ = layer(), x.clone().requires_grad_(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, then the step captured and replayed
+            step(module, x_)
+        torch.cuda.current_stream().wait_stream(side)
+        x_.grad = module.weight_stack.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step(module, x_)
+        graph.replay()
+        torch.cuda.synchronize()
+        return [t.float() for t in (y, x_.grad, module.weight_stack.grad)]
+
+    free, reads = eager(True)
+    host, host_reads = eager(False)
+    assert reads == [] and host_reads  # eager, the layer reads the ends
     assert not free[0][ends[-1]:].any() and not free[1][ends[-1]:].any()
     for ours, theirs in zip(free, host):
         if fprop_fast:
             torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=2**-6 * theirs.abs().max().item())
         else:
             assert torch.equal(ours, theirs)
-
+    for replayed, ours in zip(graphed(), free):
+        assert torch.equal(replayed, ours)
 
 
 @pytest.mark.parametrize("case", ["float8_rowwise", "float8_e4m3"])

@@ -294,10 +294,17 @@ def _pads_groups(linear: LinearQuantizers, stack, in_out: bool):
 
 def sizes_on_device(x: torch.Tensor, stack, offs: torch.Tensor | None) -> bool:
     """Whether the grouped linear of `x` over `stack` runs with the groups' sizes left on the device
-    (`grouped_linear` with `ends` None): the host never reads `offs` (`offs.tolist()` makes it wait
-    for the GPU, which then idles while the next casts are launched). Where every role is E4M3
-    Float8 cast for all groups at once and every GEMM runs on qtensor's grouped kernels (with the
-    split accumulator or fast accumulation: torch's would leave the rows past the last group's
+    (`grouped_linear` with `ends` None): where the host cannot read `offs` (`offs.tolist()` waits
+    for the GPU), while a CUDA graph is captured, and the path takes sizes so
+    (`takes_sizes_on_device`). Eager, the sizes are read: the paths over known sizes measured
+    faster (docs/experts.md, "Sizes on the device")."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and takes_sizes_on_device(x, stack, offs)
+
+
+def takes_sizes_on_device(x: torch.Tensor, stack, offs: torch.Tensor | None) -> bool:
+    """Whether the grouped linear can run without the host knowing the groups' sizes: every role
+    E4M3 Float8 cast for all groups at once, every GEMM on qtensor's grouped kernels (with the split
+    accumulator or fast accumulation: torch's would leave the rows past the last group's
     unwritten), on a GPU, without delayed scaling's per-expert state."""
     linear = stack.linear_quantizers
     if offs is None or x.device.type != "cuda" or offs.device != x.device or not stack.shape[0] or linear.records_amaxes:
