@@ -14,6 +14,7 @@ from .layers.config import LinearQuantizers
 from .quantize import QuantizeReport, dequantize_, keep_forward_copies_, quantize_
 from .core.quantizer import Quantizer
 from .recipes import Recipe, Role
+from .schedule import Phase, PrecisionSchedule, Switch, forward_in
 from .layers.routing import high_precision
 from .core.tensor import QuantizedTensor, fallback_report, fallbacks
 from . import legacy
@@ -34,6 +35,10 @@ register_with_transformers()
 __all__ = [
     "DynamicWeight",
     "LinearQuantizers",
+    "Phase",
+    "PrecisionSchedule",
+    "Switch",
+    "forward_in",
     "QuantizeReport",
     "Recipe",
     "Role",

@@ -114,6 +114,17 @@ class MasterWeights(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
         self._take_masters(self.optimizer.param_groups[-1])
 
+    def replace_parameter(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Let quantized parameter `new` take `old`'s place, with `old`'s master and its optimizer
+        state (a precision schedule's switch casts a held weight again in another format)."""
+        for index, (param, master) in enumerate(self.pairs):
+            if param is old:
+                self.pairs[index] = (new, master)
+                if new.requires_grad:
+                    self._hooks.append(new.register_post_accumulate_grad_hook(_hand_over_hook(self, index)))
+                return
+        raise KeyError("MasterWeights.replace_parameter: the parameter to replace is not one of this optimizer's quantized parameters.")
+
     def masters(self) -> list[torch.Tensor]:
         return [master for _, master in self.pairs]
 

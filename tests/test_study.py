@@ -8,7 +8,6 @@ import csv
 import hashlib
 import json
 import math
-import os
 import pathlib
 import re
 import zlib
@@ -156,6 +155,18 @@ def test_a_tiny_study_trains_every_selected_run_and_writes_its_files(tmp_path, c
     assert "mxfp8" in diagnosed and "nvfp4-bf16_last2" not in diagnosed and "float8_delayed" not in diagnosed
 
 
+def test_a_study_run_with_a_late_switch_trains_as_its_first_recipe_until_the_switch(tmp_path):
+    """`nvfp4-mxfp8_fwd_last15`: NVFP4, the forward in MXFP8 from 85% of the steps (step 5 of 6 on):
+    the same losses as the `nvfp4` run, step for step, until the switch, another one after it."""
+    out = tmp_path / "study"
+    study_main.main(["--out", str(out), "--runs", "nvfp4,nvfp4-mxfp8_fwd_last15", "--steps", "6", "--speed-steps", "0", *TINY, "--blocks", "2"])
+    plain, switched = (list(csv.DictReader(open(out / f"{name}.csv"))) for name in ("nvfp4", "nvfp4-mxfp8_fwd_last15"))
+    assert [r["train_loss"] for r in plain[:5]] == [r["train_loss"] for r in switched[:5]]
+    assert plain[5]["train_loss"] != switched[5]["train_loss"]
+    summary = json.load(open(out / "nvfp4-mxfp8_fwd_last15.json"))
+    assert summary["late"]["from_step"] == 5 and "forward_in" in summary["late"]["recipe"]
+
+
 def test_unknown_runs_are_named():
     with pytest.raises(SystemExit, match="unknown run"):
         study_main.selected_runs("bf16,fp7")
@@ -265,7 +276,11 @@ def test_the_committed_results_are_the_documented_ones():
     """docs/convergence.md quotes the committed files: every run of the study finished its 3000 steps,
     and the page's table is the report's table of those files."""
     study = load_study(str(RESULTS))
-    assert set(study) == set(study_runs())
+    # The precision-schedule runs were added after the device session that ran the others; until
+    # their GPU runs are committed they are named here, and the page says they have not run yet.
+    not_yet_run = {"nvfp4-mxfp8_fwd_last15", "nvfp4-hp_fwd_last15"}
+    assert set(study) == set(study_runs()) - not_yet_run
+    assert all(name in (RESULTS.parent / "convergence.md").read_text() for name in not_yet_run)
     assert all(run["summary"]["steps"] == 3000 and run["step"][-1] == 3000 for run in study.values())
     assert {run["summary"]["corpus"]["sha256"] for run in study.values()} == {study["bf16"]["summary"]["corpus"]["sha256"]}
     table = markdown_table(summary_rows(study))

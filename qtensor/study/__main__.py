@@ -111,7 +111,7 @@ def run_diagnosis(model, corpus, config, options, device, out) -> None:
     from .diagnose import capture_operands, diagnose
 
     # A run that keeps its last blocks in high precision has its base recipe's errors on the other layers.
-    runs = {name: run.recipe for name, run in study_runs().items() if run.recipe is not None and not run.high_precision_last}
+    runs = {name: run.recipe for name, run in study_runs().items() if run.recipe is not None and not run.high_precision_last and run.late is None}
     tokens = Batches(corpus.train, 4, config.length, options.seed + 12345).next().to(device)
     operands = capture_operands(model, tokens, loss_of)
     diagnose(operands, runs, os.path.join(out, "diagnose.csv"))

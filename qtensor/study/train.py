@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .. import recipes
 from ..quantize import quantize_
 from ..recipes import Recipe
+from ..schedule import Phase, PrecisionSchedule, forward_in
 from .corpus import Batches, Corpus, validation_starts, windows
 from .model import Decoder, ModelConfig, parameter_count
 
@@ -36,6 +37,9 @@ class StudyRun:
     seed_offset: int = 0  # added to the study's seed: other initial weights and batches
     high_precision_last: int = 0  # the last blocks kept in high precision (as the output head)
     about: str = ""
+    # A precision schedule: from `late_from` of the steps on, the model runs with `late` (qtensor.PrecisionSchedule).
+    late: Recipe | None = None
+    late_from: float = 0.85
 
 
 def _hybrid(**options):
@@ -64,6 +68,10 @@ def study_runs() -> dict[str, StudyRun]:
         StudyRun("float8_current-e4m3_grad", Recipe(recipes.float8_current(grad_fp8_dtype=torch.float8_e4m3fn))),
         StudyRun("nvfp4-bf16_last2", Recipe(recipes.nvfp4()), high_precision_last=2),
         StudyRun("mxfp8_fwd_nvfp4_bwd-bf16_last2", Recipe(_hybrid()), high_precision_last=2),
+        # Precision schedules: NVFP4, then for the last 15% of the steps the forward GEMMs in MXFP8, or
+        # in high precision, the backward unchanged (docs/recipes.md, "Precision schedules").
+        StudyRun("nvfp4-mxfp8_fwd_last15", Recipe(recipes.nvfp4()), late=Recipe(forward_in(recipes.mxfp8(), recipes.nvfp4()))),
+        StudyRun("nvfp4-hp_fwd_last15", Recipe(recipes.nvfp4()), late=Recipe(forward_in(None, recipes.nvfp4()))),
     ]
     return {run.name: run for run in runs}
 
@@ -111,10 +119,15 @@ def prepare(run: StudyRun, config: ModelConfig, options: TrainOptions, device: t
     """The model (quantized as the run says) and its optimizer."""
     seed = options.seed + run.seed_offset
     model = build_model(config, seed, device)
-    report = None
+    report = schedule = None
     if run.recipe is not None:
         kept = [f"blocks.{index}" for index in range(config.blocks - run.high_precision_last, config.blocks)]
-        report = quantize_(model, run.recipe, exclude=["head", *kept])
+        if run.late is None:
+            report = quantize_(model, run.recipe, exclude=["head", *kept])
+        else:
+            phases = [Phase(0, run.recipe), Phase(run.late_from, run.late)]
+            schedule = PrecisionSchedule(model, phases, total_steps=options.steps, exclude=["head", *kept])
+            report = schedule.report
     torch.manual_seed(seed)  # stochastic rounding draws from torch's generator: the same in every run
     # Weight decay on the matrices of the linear layers; none on norms and embedding tables.
     decays = {name: p.dim() == 2 and not name.startswith(("embed.", "position.")) for name, p in model.named_parameters()}
@@ -123,6 +136,8 @@ def prepare(run: StudyRun, config: ModelConfig, options: TrainOptions, device: t
         {"params": [p for n, p in model.named_parameters() if not decays[n]], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=options.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    if schedule is not None:
+        schedule.attach(optimizer)  # switches after the optimizer step that ends the first phase
     return model, optimizer, report
 
 
@@ -159,7 +174,7 @@ def train(run: StudyRun, corpus: Corpus, config: ModelConfig, options: TrainOpti
     """Train one run, writing `{out}/{run.name}.csv` (a row per step; `val_loss` every `val_every`
     steps) and `{out}/{run.name}.json` (the final validation loss, peak memory, the setup)."""
     model, optimizer, report = prepare(run, config, options, device)
-    schedule = Schedule(options.steps, options.lr, options.warmup, options.min_lr_ratio)
+    lr_schedule = Schedule(options.steps, options.lr, options.warmup, options.min_lr_ratio)
     batches = Batches(corpus.train, options.batch, config.length, options.seed + run.seed_offset)
     tokens_per_step = options.batch * config.length
     if device.type == "cuda":
@@ -173,14 +188,14 @@ def train(run: StudyRun, corpus: Corpus, config: ModelConfig, options: TrainOpti
             tokens = batches.next().to(device, non_blocking=True)
             start = time.perf_counter()
             for group in optimizer.param_groups:
-                group["lr"] = schedule.lr(step)
+                group["lr"] = lr_schedule.lr(step)
             loss, grad_norm = train_step(model, optimizer, tokens, options.clip)
             loss, grad_norm = loss.item(), grad_norm.item()  # waits for the step
             seconds += time.perf_counter() - start
             val = ""
             if step % options.val_every == 0 or step == options.steps:
                 val = f"{evaluate(model, corpus.validation, options.val_windows, config.length, options.batch, device):.6f}"
-            writer.writerow([step, step * tokens_per_step, f"{schedule.lr(step):.6g}", f"{loss:.6f}", f"{grad_norm:.4f}", val, f"{seconds:.3f}"])
+            writer.writerow([step, step * tokens_per_step, f"{lr_schedule.lr(step):.6g}", f"{loss:.6f}", f"{grad_norm:.4f}", val, f"{seconds:.3f}"])
             if val:
                 file.flush()
                 progress(f"{run.name:<42} step {step:>5}/{options.steps}  loss {loss:.4f}  val {float(val):.4f}  {seconds:7.1f} s")
@@ -191,6 +206,7 @@ def train(run: StudyRun, corpus: Corpus, config: ModelConfig, options: TrainOpti
     summary = {
         "name": run.name,
         "recipe": repr(run.recipe) if run.recipe is not None else "bf16",
+        "late": {"recipe": repr(run.late), "from_step": math.floor(run.late_from * options.steps)} if run.late is not None else None,
         "seed": options.seed + run.seed_offset,
         "final_val_loss": final,
         "final_val_windows": options.final_val_windows,

@@ -1,0 +1,313 @@
+"""Precision schedules: a model's formats changed during training, by step, per role and per layer.
+
+    schedule = qtensor.PrecisionSchedule(model, [
+        qtensor.Phase(0, qtensor.recipes.nvfp4()),
+        qtensor.Phase(0.85, qtensor.forward_in(qtensor.recipes.mxfp8(), qtensor.recipes.nvfp4())),
+    ], total_steps=10_000)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    schedule.attach(optimizer)
+
+The schedule quantizes the model with its first phase's recipe (`quantize_`) and advances with
+each optimizer step (a step hook on the optimizer it is attached to, or `schedule.step()`). When a
+phase begins, each layer whose quantizers the new recipe changes is switched in place:
+
+- a dynamic weight (`weights="dynamic"`) keeps its parameter, values and optimizer state; its layer
+  takes the new quantizers, and the next forward casts with them;
+- a weight held quantized (`weights="quantized"`) is cast again from its master
+  (`qtensor.optim.MasterWeights`, which must be the optimizer attached) in the new format, and the new
+  parameter takes the old one's place in the module and in the optimizer;
+- a quantizer that compares equal to the one it replaces (same format and configuration) is kept,
+  with its running state: delayed scaling's histories carry over where the format stays, and start
+  fresh where it changes.
+
+Each switch is reported (`Switch`: step, phase, and per layer and role what changed from what to
+what). The schedule's position is its step count: `state_dict()` / `load_state_dict()` save and
+restore it, and loading switches the model to the phase of that step, so load the schedule's state
+before the model's checkpoint (whose weights are in that phase's formats).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .core.quantizer import Quantizer
+from .formats.hybrid import HybridQuantizer
+from .formats.identity import IdentityQuantizer
+from .layers.config import LinearQuantizers
+from .layers.weight import QuantizedWeight, quantized_weight
+from .optim import MasterWeights
+from .quantize import quantize_
+from .recipes import Recipe
+
+
+@dataclass(frozen=True)
+class Phase:
+    """From step `start` on (an int: that optimizer step; a float in [0, 1): that fraction of the
+    schedule's `total_steps`, rounded down), the model runs with `recipe` (a Recipe or a factory)."""
+
+    start: int | float
+    recipe: Recipe | Callable
+
+
+class forward_in:
+    """A factory whose forward GEMM runs in `forward`'s formats and whose backward GEMMs run in
+    `backward`'s (each a factory or Recipe; None: high precision). The input's and the weight's
+    rowwise copies (fprop's operands) come from `forward`, their columnwise copies (wgrad's and
+    dgrad's) and the output gradient from `backward`; where the two choose the same quantizer, it
+    is that quantizer, else a `HybridQuantizer` (`IdentityQuantizer` for a high-precision side:
+    the operand's values as they come, fp32 or bf16)."""
+
+    def __init__(self, forward, backward):
+        self.forward, self.backward = forward, backward
+        self._forward, self._backward = _factory_of(forward), _factory_of(backward)
+        # Read by Recipe: the forward's own choice of fast accumulation.
+        self.fprop_fast_accumulation = getattr(self._forward, "fprop_fast_accumulation", False)
+
+    def __call__(self, role):
+        back = self._backward(role)
+        if role.tensor_type == "grad_output":
+            return back
+        fwd = self._forward(role)
+        if fwd == back:
+            return back
+        return HybridQuantizer(rowwise=fwd or IdentityQuantizer(), columnwise=back or IdentityQuantizer())
+
+    def __repr__(self) -> str:
+        return f"qtensor.forward_in({self.forward!r}, {self.backward!r})"
+
+
+def _factory_of(recipe_or_factory) -> Callable:
+    if recipe_or_factory is None:
+        return lambda role: None
+    return recipe_or_factory.factory if isinstance(recipe_or_factory, Recipe) else recipe_or_factory
+
+
+@dataclass
+class Switch:
+    """One switch of a schedule: at `step`, phase `phase` began; `changes` maps each switched
+    layer to its changed roles, each (from, to) as the quantizers describe themselves."""
+
+    step: int
+    phase: int
+    changes: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"step {self.step}: phase {self.phase} begins; {len(self.changes)} layer(s) switched"]
+        for layer, roles in self.changes.items():
+            for role, (before, after) in roles.items():
+                lines.append(f"  {layer:<40} {role:<12} {before} -> {after}")
+        return "\n".join(lines)
+
+
+class PrecisionSchedule:
+    """Phases of recipes over a training run (module docstring). `model` is quantized with the
+    first phase's recipe; `weights` and the other keyword arguments go to `quantize_` (`exclude=`
+    keeps layers in high precision throughout). A layer the first phase keeps in high precision
+    stays so: a later phase cannot quantize it (give it an `IdentityQuantizer` in the first phase
+    to make it a quantized layer that runs in high precision until then). Build the optimizer
+    after (quantize_ replaces the parameters) and `attach` it."""
+
+    def __init__(self, model: nn.Module, phases, *, total_steps: int | None = None, weights: str = "dynamic", **quantize_kwargs):
+        self.model = model
+        self.phases = _resolved(phases, total_steps)
+        self.total_steps = total_steps
+        self.optimizer = None
+        self._hook = None
+        self.step_count = 0
+        self.phase = 0
+        self.switches: list[Switch] = []
+        self.report = quantize_(model, self.phases[0][1], weights=weights, **quantize_kwargs)
+        self._layers = _quantized_layers(model)
+        self._check_later_phases()
+
+    def __repr__(self) -> str:
+        phases = ", ".join(f"from step {start}: {recipe!r}" for start, recipe in self.phases)
+        return f"PrecisionSchedule(step {self.step_count}, phase {self.phase}; {phases})"
+
+    def phase_at(self, step: int) -> int:
+        """The index of the phase that runs step `step` (counted from 0)."""
+        return max(index for index, (start, _) in enumerate(self.phases) if start <= step)
+
+    def step(self) -> Switch | None:
+        """One optimizer step done: switch the model to the next step's phase where one begins
+        (the switch, else None)."""
+        self.step_count += 1
+        return self._go_to(self.phase_at(self.step_count))
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "phase_starts": [start for start, _ in self.phases]}
+
+    def load_state_dict(self, state: dict) -> Switch | None:
+        """Resume at the saved step: the model is switched to that step's phase (load this before
+        the model's checkpoint and the optimizer's)."""
+        starts = [start for start, _ in self.phases]
+        if list(state["phase_starts"]) != starts:
+            raise ValueError(
+                f"PrecisionSchedule.load_state_dict: the saved schedule's phases start at steps {state['phase_starts']}, "
+                f"this one's at {starts}; resume with the schedule the run was saved with."
+            )
+        self.step_count = int(state["step"])
+        return self._go_to(self.phase_at(self.step_count))
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Advance after each of `optimizer`'s steps. A `MasterWeights` also gives held weights the
+        masters they are cast again from at a switch, and takes their new parameters."""
+        self.remove()
+        self.optimizer = optimizer
+        self._hook = optimizer.register_step_post_hook(lambda *args: self.step())
+
+    def remove(self) -> None:
+        """Stop following the optimizer's steps."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # ---- switching --------------------------------------------------------------------------
+    def _go_to(self, phase: int) -> Switch | None:
+        if phase == self.phase:
+            return None
+        recipe = self.phases[phase][1]
+        planned = [(layer, module, attribute, self._next_config(module, attribute, layer, recipe)) for layer, (module, attribute) in self._layers.items()]
+        planned = [(layer, module, attribute, new) for layer, module, attribute, new in planned if new is not None]
+        for layer, module, attribute, new in planned:  # everything checked before anything changes
+            self._check_switchable(layer, module, attribute, new)
+        switch = Switch(self.step_count, phase)
+        for layer, module, attribute, new in planned:
+            old = module._qtensor_layers[attribute][0]
+            switch.changes[layer] = {
+                role: (_described(before), _described(after))
+                for (role, before), after in zip(old.roles().items(), new.roles().values())
+                if before is not after
+            } or {"options": (_options(old), _options(new))}
+            self._apply(module, attribute, new)
+        self.phase = phase
+        self.switches.append(switch)
+        return switch
+
+    def _next_config(self, module, attribute, layer, recipe: Recipe) -> LinearQuantizers | None:
+        """The layer's configuration under `recipe`, keeping each quantizer that compares equal to
+        its successor (and its running state); None where nothing changes."""
+        old, _ = module._qtensor_layers[attribute]
+        weight = getattr(module, attribute)
+        chosen = recipe.quantizers_for("experts" if weight.dim() == 3 else "linear", layer)
+        kept = {role: before if before == chosen[role] else chosen[role] for role, before in old.roles().items()}
+        new = LinearQuantizers(
+            **kept,
+            backward_override=recipe.backward_override,
+            fprop_fast_accumulation=recipe.fprop_fast_accumulation,
+            backward_fast_accumulation=recipe.backward_fast_accumulation,
+            name=old.name,
+            parameter=old.parameter,
+            transposed=old.transposed,
+            running=old.running,
+            experts=old.experts,
+        )
+        same_objects = all(new_q is old_q for new_q, old_q in zip(new.roles().values(), old.roles().values()))
+        return None if same_objects and new == old else new
+
+    def _check_switchable(self, layer, module, attribute, new: LinearQuantizers) -> None:
+        old, weights = module._qtensor_layers[attribute]
+        weight = getattr(module, attribute)
+        if hasattr(weight, "_local_tensor"):
+            raise NotImplementedError(
+                f"PrecisionSchedule: {layer} is sharded (FSDP2 or tensor parallelism); switching a sharded layer's formats "
+                "is not supported yet (the gathers keep the sizes of their first format). Nothing was switched."
+            )
+        if weight.dim() == 3 and (weights == "quantized" or old.experts or any(q is not None and q.state_buffers() for q in new.roles().values())):
+            raise NotImplementedError(
+                f"PrecisionSchedule: {layer} is an expert stack held quantized or with delayed scaling; switching such a "
+                "stack is not supported yet (dynamic stacks without delayed scaling switch). Nothing was switched."
+            )
+        if weights != "quantized" or new.weight is old.weight:
+            return
+        if new.weight is None:
+            raise ValueError(
+                f"PrecisionSchedule: {layer} holds its weight quantized, and the next phase keeps it in high precision. "
+                "Give that role an IdentityQuantizer (the weight held in high precision as a quantized tensor). Nothing was switched."
+            )
+        if self._master_of(weight) is None:
+            raise ValueError(
+                f"PrecisionSchedule: {layer}'s weight is held quantized and changes format, which casts it again from its "
+                "high-precision master: attach the qtensor.optim.MasterWeights that trains it (a frozen held "
+                "weight has no master; casting its dequantized values would round them twice). Nothing was switched."
+            )
+
+    def _master_of(self, weight) -> torch.Tensor | None:
+        if isinstance(self.optimizer, MasterWeights):
+            return next((master for param, master in self.optimizer.pairs if param is weight), None)
+        return None
+
+    def _apply(self, module, attribute, new: LinearQuantizers) -> None:
+        old, weights = module._qtensor_layers[attribute]
+        weight = getattr(module, attribute)
+        module._qtensor_layers[attribute] = (new, weights)
+        if not isinstance(weight, QuantizedWeight) or new.weight is old.weight:
+            weight.linear_quantizers = new  # the same parameter: the next cast uses the new quantizers
+            return
+        master = self._master_of(weight)
+        with torch.no_grad():  # cast from the master, as MasterWeights' write-back casts
+            cast = new.weight.quantize(master.detach(), rowwise=True, columnwise=True)
+            cast = cast.with_storages(cast.rowwise, cast.columnwise, dtype=weight.dtype)
+        replacement = nn.Parameter(quantized_weight(cast, new), requires_grad=weight.requires_grad)
+        weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
+        setattr(module, attribute, replacement)
+        self.optimizer.replace_parameter(weight, replacement)
+
+    def _check_later_phases(self) -> None:
+        """A layer the first phase's factory keeps in high precision must stay so (class docstring)."""
+        kept = [layer for layer, reason in self.report.skipped.items() if reason.startswith("the factory keeps every tensor")]
+        for index, (start, recipe) in enumerate(self.phases[1:], start=1):
+            for layer in kept:
+                if any(q is not None for q in recipe.quantizers_for("linear", layer).values()):
+                    raise ValueError(
+                        f"PrecisionSchedule: phase {index} (from step {start}) quantizes {layer}, which the first phase keeps in "
+                        "high precision. A layer's participation is settled by the first phase: give that layer an "
+                        "IdentityQuantizer there (a quantized layer running in high precision), or keep it out with exclude=."
+                    )
+
+
+def _resolved(phases, total_steps: int | None) -> list[tuple[int, Recipe]]:
+    """[(start step, Recipe)], checked: the first starting at 0, strictly increasing."""
+    resolved = []
+    for phase in phases:
+        start, recipe = (phase.start, phase.recipe) if isinstance(phase, Phase) else phase
+        if isinstance(start, float):
+            if total_steps is None or not 0.0 <= start < 1.0:
+                raise ValueError(
+                    f"PrecisionSchedule: phase start {start} is a fraction of the run: it must lie in [0, 1) and the "
+                    "schedule needs total_steps= (or give the start as a step number, an int)."
+                )
+            start = math.floor(start * total_steps)
+        if not isinstance(start, int) or start < 0:
+            raise ValueError(f"PrecisionSchedule: phase start {start!r} must be a step number (an int >= 0) or a fraction in [0, 1).")
+        resolved.append((start, recipe if isinstance(recipe, Recipe) else Recipe(recipe)))
+    starts = [start for start, _ in resolved]
+    if not resolved or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"PrecisionSchedule: phases must start at step 0 and then at increasing steps; they start at {starts}.")
+    return resolved
+
+
+def _quantized_layers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Each quantized layer of `model` by its name: (module, weight attribute)."""
+    layers = {}
+    for module in model.modules():
+        for attribute, (linear, _) in (module.__dict__.get("_qtensor_layers") or {}).items():
+            layers[linear.name or attribute] = (module, attribute)
+    return layers
+
+
+def _described(quantizer: Quantizer | None) -> str:
+    return "high precision" if quantizer is None else quantizer.describe()
+
+
+def _options(linear: LinearQuantizers) -> str:
+    """The layer's backward override and accumulation choices, as a switch reports them."""
+    return ", ".join(
+        [f"backward={linear.backward_override or 'quantized'}"]
+        + [f"{gemm} fast accumulation" for gemm, on in (("fprop", linear.fprop_fast_accumulation), ("backward", linear.backward_fast_accumulation)) if on]
+    )

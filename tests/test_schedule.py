@@ -1,0 +1,238 @@
+"""Precision schedules (qtensor/schedule.py): a model's formats changed during training.
+
+The references are independent of the schedule: the formats read back from the layers' own casts,
+a run that changes the recipe by hand at the switch (a fresh model quantize_'d with the next
+recipe, loaded with the first model's values and optimizer state), the uninterrupted run for a
+resumed one, fp64 products for a forward kept in high precision.
+"""
+
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo.testing
+from torch import nn
+
+import qtensor
+from qtensor.optim import MasterWeights
+
+STEPS, SWITCH = 6, 3
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+
+
+def batch(step):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 64, generator=generator), torch.randn(16, 32, generator=generator)
+
+
+def train(model, optimizer, steps, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        x, target = batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (model(x).float() - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def values(model):
+    """Every parameter's high-precision values (a held weight dequantized)."""
+    return [p.dequantize(torch.float32) if isinstance(p, qtensor.QuantizedTensor) else p.detach().float().clone() for p in model.parameters()]
+
+
+def formats(model):
+    """(rowwise format, columnwise format) of each layer's weight as its own cast makes them, and the
+    input's and gradient's quantizer classes."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            weight = module.weight
+            cast = weight.quantized(columnwise=True) if weight.quantized_at_use else weight
+            linear = weight.linear_quantizers
+            cast_format = getattr(type(cast), "data_class", type(cast)).__name__  # a held weight's: its format's class
+            found.append((cast_format, type(linear.input).__name__, type(linear.grad_output).__name__))
+    return found
+
+
+def two_phases(second=None):
+    return [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(SWITCH, second or qtensor.recipes.mxfp8())]
+
+
+def test_a_schedule_switches_at_its_steps_and_reports_each_switch():
+    """Phases by step and by fraction of the run: the layers' casts are in each phase's format from
+    the step the phase begins (read back after every optimizer step), and each switch names the
+    layers and roles that changed, from what to what."""
+    model = mlp()
+    schedule = qtensor.PrecisionSchedule(model, [
+        qtensor.Phase(0, qtensor.recipes.float8_current()),
+        qtensor.Phase(2, qtensor.recipes.mxfp8()),
+        qtensor.Phase(0.5, qtensor.recipes.nvfp4()),  # step 4 of 8
+    ], total_steps=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule.attach(optimizer)
+    expected = {0: "Float8Tensor", 1: "Float8Tensor", 2: "MXFP8Tensor", 3: "MXFP8Tensor", 4: "NVFP4Tensor", 5: "NVFP4Tensor"}
+    for step in range(6):
+        assert [f[0] for f in formats(model)] == [expected[step]] * 2, step
+        train(model, optimizer, 1, start=step)
+    assert [(s.step, s.phase) for s in schedule.switches] == [(2, 1), (4, 2)]
+    first = schedule.switches[0]
+    assert set(first.changes) == {"0", "2"}
+    assert first.changes["0"]["weight"] == (qtensor.Float8Quantizer().describe(), qtensor.MXFP8Quantizer().describe())
+    assert "phase 1 begins; 2 layer(s) switched" in str(first)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_switch_equals_changing_the_recipe_by_hand(weights):
+    """float8_current, then mxfp8 from step 3: the schedule's run ends bit for bit where a run ends
+    that stops at step 3, builds a fresh model with the mxfp8 recipe, loads the first model's values
+    and optimizer state into it, and goes on. The optimizer keeps its state across the switch (the
+    same parameters, or for held weights the same masters)."""
+    model = mlp()
+    schedule = qtensor.PrecisionSchedule(model, two_phases(), weights=weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = MasterWeights(optimizer) if weights == "quantized" else optimizer
+    schedule.attach(optimizer)
+    losses = train(model, optimizer, STEPS)
+
+    first = mlp()
+    qtensor.quantize_(first, qtensor.recipes.float8_current(), weights=weights)
+    by_hand = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    by_hand = MasterWeights(by_hand) if weights == "quantized" else by_hand
+    hand_losses = train(first, by_hand, SWITCH)
+    second = mlp()
+    qtensor.quantize_(second, qtensor.recipes.mxfp8(), weights=weights)
+    continued = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    continued = MasterWeights(continued) if weights == "quantized" else continued
+    with torch.no_grad():  # the plain parameters' values, and a dynamic weight's
+        for theirs, ours in zip(first.parameters(), second.parameters()):
+            if not isinstance(ours, qtensor.QuantizedTensor):
+                ours.copy_(theirs)
+    continued.load_state_dict(by_hand.state_dict())  # and for held weights the masters, cast into them
+    hand_losses += train(second, continued, STEPS - SWITCH, start=SWITCH)
+
+    assert losses == hand_losses
+    for ours, theirs in zip(values(model), values(second), strict=True):
+        assert torch.equal(ours, theirs)
+    assert [f[0] for f in formats(model)] == ["MXFP8Tensor"] * 2
+
+
+@pytest.mark.parametrize("saved_at", [2, 4], ids=["before the switch", "after the switch"])
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, weights, saved_at):
+    """Save at step 2 (the resumed run crosses the switch at 3) or 4 (it resumes in the second
+    phase): the schedule's state, the model's file and the optimizer's state, loaded into a fresh
+    model in that order, continue to the uninterrupted run's last values and losses."""
+    def start():
+        model = mlp()
+        schedule = qtensor.PrecisionSchedule(model, two_phases(), weights=weights)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = MasterWeights(optimizer) if weights == "quantized" else optimizer
+        schedule.attach(optimizer)
+        return model, schedule, optimizer
+
+    model, _, optimizer = start()
+    losses = train(model, optimizer, STEPS)
+
+    interrupted, schedule, optimizer = start()
+    resumed_losses = train(interrupted, optimizer, saved_at)
+    qtensor.save_model(interrupted, tmp_path / "model.safetensors")
+    torch.save({"schedule": schedule.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "state.pt")
+
+    resumed, schedule, optimizer = start()
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    schedule.load_state_dict(state["schedule"])
+    qtensor.load_model(resumed, tmp_path / "model.safetensors")
+    optimizer.load_state_dict(state["optimizer"])
+    resumed_losses += train(resumed, optimizer, STEPS - saved_at, start=saved_at)
+
+    assert resumed_losses == losses
+    for ours, theirs in zip(values(resumed), values(model), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_only_what_changes_is_switched_and_delayed_scaling_keeps_its_history_where_the_format_stays():
+    """float8_delayed, then the same recipe with an MXFP8 forward (`forward_in`): the output
+    gradient's quantizer compares equal to the one before, so it is kept with its amax history;
+    the input and weight roles change and start fresh."""
+    model = mlp()
+    schedule = qtensor.PrecisionSchedule(model, [
+        qtensor.Phase(0, qtensor.recipes.float8_delayed()),
+        qtensor.Phase(2, qtensor.forward_in(qtensor.recipes.mxfp8(), qtensor.recipes.float8_delayed())),
+    ])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    schedule.attach(optimizer)
+    before = model[2].weight.linear_quantizers
+    train(model, optimizer, 2)
+    after = model[2].weight.linear_quantizers
+    assert after.grad_output is before.grad_output  # the same object, its history carried over
+    history = after.grad_output.state_buffers()["amax_history"]
+    assert int((history > 0).sum()) == 2
+    assert after.input is not before.input and isinstance(after.input, qtensor.HybridQuantizer)
+    assert set(schedule.switches[0].changes["2"]) == {"input", "weight"}
+
+
+def test_forward_in_high_precision_keeps_the_backward_quantized():
+    """`forward_in(None, nvfp4)`: the forward GEMM multiplies the operands as they are (fp32 here:
+    an IdentityQuantizer keeps the values; within the bf16 output's rounding, and the bias's, of
+    the fp64 product), the backward's copies and the gradient stay NVFP4."""
+    model = mlp()
+    qtensor.PrecisionSchedule(model, [qtensor.Phase(0, qtensor.forward_in(None, qtensor.recipes.nvfp4()))])
+    linear = model[0].weight.linear_quantizers
+    assert isinstance(linear.grad_output, qtensor.NVFP4Quantizer)
+    assert isinstance(linear.input.quantizer_for("rowwise"), qtensor.IdentityQuantizer)
+    assert isinstance(linear.weight.quantizer_for("columnwise"), qtensor.NVFP4Quantizer)
+    x, _ = batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model[0](x).detach().double().numpy()
+    x, w, b = (t.detach().double().numpy() for t in (x, model[0].weight.plain(), model[0].bias))
+    magnitude = np.abs(x) @ np.abs(w).T + np.abs(b)
+    assert np.all(np.abs(y - (x @ w.T + b)) <= 2**-7 * magnitude)  # two roundings to bf16: the product's, the sum's
+    assert not np.all(np.abs(y - (x @ w.T + b)) <= 2**-12 * magnitude)  # (the output is bf16: the bound is not loose)
+
+
+def test_a_switch_recompiles_once_and_trains_as_eager():
+    """A compiled model: one new graph at the switch, not one per step; its losses are the eager
+    schedule's."""
+    eager = mlp()
+    compiled_model = mlp()
+    schedules = [qtensor.PrecisionSchedule(m, two_phases()) for m in (eager, compiled_model)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled_model)]
+    for schedule, optimizer in zip(schedules, optimizers):
+        schedule.attach(optimizer)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_model, backend=counter)
+    compiled_losses = train(compiled, optimizers[1], STEPS)
+    eager_losses = train(eager, optimizers[0], STEPS)
+    assert counter.frame_count == 2
+    np.testing.assert_allclose(compiled_losses, eager_losses, rtol=1e-5)
+
+
+def test_what_a_schedule_cannot_do_is_refused_before_anything_changes():
+    """A held weight changing format without masters to cast it from; a later phase quantizing a
+    layer the first keeps in high precision; phases out of order or fractions without the run's
+    length; a saved state from another schedule."""
+    model = mlp()
+    schedule = qtensor.PrecisionSchedule(model, two_phases(), weights="quantized")
+    schedule.attach(torch.optim.SGD([p for p in model.parameters() if not isinstance(p, qtensor.QuantizedTensor)], lr=0.1))
+    weights = [model[0].weight, model[2].weight]
+    with pytest.raises(ValueError, match="MasterWeights"):
+        schedule.load_state_dict({"step": SWITCH, "phase_starts": [0, SWITCH]})
+    assert [model[0].weight, model[2].weight] == weights and schedule.phase == 0
+
+    first_in_bf16 = lambda role: None if role.name == "2" else qtensor.recipes.float8_current()(role)
+    with pytest.raises(ValueError, match="IdentityQuantizer"):
+        qtensor.PrecisionSchedule(mlp(), [qtensor.Phase(0, first_in_bf16), qtensor.Phase(1, qtensor.recipes.mxfp8())])
+    with pytest.raises(ValueError, match="start at step 0"):
+        qtensor.PrecisionSchedule(mlp(), [qtensor.Phase(1, qtensor.recipes.mxfp8())])
+    with pytest.raises(ValueError, match="total_steps"):
+        qtensor.PrecisionSchedule(mlp(), [qtensor.Phase(0, qtensor.recipes.mxfp8()), qtensor.Phase(0.5, qtensor.recipes.nvfp4())])
+    with pytest.raises(ValueError, match="saved with"):
+        qtensor.PrecisionSchedule(mlp(), two_phases()).load_state_dict({"step": 1, "phase_starts": [0, 5]})
