@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .core.quantizer import Quantizer
+from .distributed import fsdp_state
 from .formats.hybrid import HybridQuantizer
 from .formats.identity import IdentityQuantizer
 from .layers.config import LinearQuantizers
@@ -213,10 +214,11 @@ class PrecisionSchedule:
     def _check_switchable(self, layer, module, attribute, new: LinearQuantizers) -> None:
         old, weights = module._qtensor_layers[attribute]
         weight = getattr(module, attribute)
-        if hasattr(weight, "_local_tensor"):
+        if hasattr(weight, "_local_tensor") and (weights == "quantized" or weight.dim() == 3 or not _fsdp_sharded(module)):
+            how = "held quantized, under FSDP2" if weights == "quantized" else "an expert stack" if weight.dim() == 3 else "tensor parallelism"
             raise NotImplementedError(
-                f"PrecisionSchedule: {layer} is sharded (FSDP2 or tensor parallelism); switching a sharded layer's formats "
-                "is not supported yet (the gathers keep the sizes of their first format). Nothing was switched."
+                f"PrecisionSchedule: {layer} is sharded ({how}); switching such a layer's formats is not supported yet "
+                "(under FSDP2, dynamic weights of linear layers switch). Nothing was switched."
             )
         if weight.dim() == 3 and (weights == "quantized" or old.experts or any(q is not None and q.state_buffers() for q in new.roles().values())):
             raise NotImplementedError(
@@ -246,6 +248,14 @@ class PrecisionSchedule:
         old, weights = module._qtensor_layers[attribute]
         weight = getattr(module, attribute)
         module._qtensor_layers[attribute] = (new, weights)
+        local = getattr(weight, "_local_tensor", None)
+        if local is not None:  # a dynamic weight's shard under FSDP2: its next gathers cast anew
+            local.linear_quantizers = new
+            for cached in ("shard_cast", "reduced_amaxes", "rowwise_cast_suffices"):
+                local.__dict__.pop(cached, None)
+            if not fsdp_state.regather_afresh(module, local):
+                raise RuntimeError(f"PrecisionSchedule: FSDP2's state of {new.name} cannot be read; its gathers cannot be made anew.")
+            return
         if not isinstance(weight, QuantizedWeight) or new.weight is old.weight:
             weight.linear_quantizers = new  # the same parameter: the next cast uses the new quantizers
             return
@@ -269,6 +279,12 @@ class PrecisionSchedule:
                         "high precision. A layer's participation is settled by the first phase: give that layer an "
                         "IdentityQuantizer there (a quantized layer running in high precision), or keep it out with exclude=."
                     )
+
+
+def _fsdp_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 shards `module`'s parameters (tensor parallelism alone does not)."""
+    group, _ = fsdp_state._param_group_of(module)
+    return group is not None
 
 
 def _resolved(phases, total_steps: int | None) -> list[tuple[int, Recipe]]:

@@ -182,6 +182,24 @@ def held_copies(model: nn.Module) -> dict:
 ONE_COPY_RECIPES = ("float8_current", "nvfp4")  # per-tensor FP8's transpose; NVFP4's 16x16 weight tiles
 
 
+def scheduled() -> tuple:
+    """(Net, its precision schedule): float8_current, then mxfp8 from the last step on (dynamic
+    weights), and a record of the format of the first layer's weight at each forward."""
+    torch.manual_seed(0)
+    model = Net().to(device())
+    phases = [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(STEPS - 1, qtensor.recipes.mxfp8())]
+    schedule = qtensor.PrecisionSchedule(model, phases, strict=True)
+    seen = []
+    model.layers[0].up.register_forward_pre_hook(lambda module, args: seen.append(_format_class(_used_weight(module.weight))))
+    return model, schedule, seen
+
+
+def _used_weight(weight):
+    """What a layer's forward multiplies: a gathered quantized weight, or a dynamic weight's cast."""
+    weight = getattr(weight, "_local_tensor", weight)
+    return weight.quantized(columnwise=False, cached=False) if getattr(weight, "quantized_at_use", False) else weight
+
+
 def build(recipe: str, weights: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = Net().to(device())
@@ -236,12 +254,15 @@ def layer_histories(model: nn.Module) -> dict:
     return found
 
 
-def train(model: nn.Module, weights: str, *, evaluate_between_steps: bool = False, batch_seed: int = 1) -> dict:
+def train(model: nn.Module, weights: str, *, evaluate_between_steps: bool = False, batch_seed: int = 1, schedule=None) -> dict:
     """Losses of a few steps, then the logits on a fixed batch. `evaluate_between_steps`: an
-    evaluation forward on that batch before the first step and between steps."""
+    evaluation forward on that batch before the first step and between steps. `schedule`: a
+    precision schedule attached to the optimizer."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if weights == "quantized":
         optimizer = qtensor.optim.MasterWeights(optimizer)
+    if schedule is not None:
+        schedule.attach(optimizer)
     torch.manual_seed(2)  # stochastic rounding draws from here, the same in both runs
     losses = []
     for x, target in batches(batch_seed):
@@ -458,6 +479,13 @@ def run_distributed(out_path: str) -> None:
             results[("checkpointed", recipe, reshard)] = {"losses": train_losses(model, "dynamic")}
         except RuntimeError as error:  # every rank refuses at the same recomputed forward
             results[("checkpointed", recipe, reshard)] = {"error": str(error)}
+    # A precision schedule switching formats between steps: the gathers after the switch bring the
+    # new format, made at their new sizes.
+    if not only or only == "schedule":
+        model, schedule, seen = scheduled()
+        GATHER_LOG.clear()
+        result = train(sharded(model, mesh), "dynamic", schedule=schedule)
+        results["schedule"] = {**result, "formats": list(seen), "all_gathers": list(GATHER_LOG)}
     # A frozen block holding one copy of each weight (a LoRA base): the gathers bring that copy, the
     # backward rebuilds dgrad's from it.
     for recipe in ONE_COPY_RECIPES:

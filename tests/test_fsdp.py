@@ -182,6 +182,19 @@ def test_meta_device_init_on_one_process_equals_eager_init(recipe, weights, monk
     assert fsdp_cases.train(model, weights)["losses"] == fsdp_cases.train(fsdp_cases.build(recipe, weights), weights)["losses"]
 
 
+def test_a_precision_schedule_switches_sharded_dynamic_weights_like_one_process(distributed):
+    """float8_current, then mxfp8 for the last step (qtensor.PrecisionSchedule): on 2 ranks the
+    gathered weights are Float8, then MXFP8 (FSDP2's gather buffers made again at their new sizes),
+    and the losses and logits are the single process's."""
+    sharded = distributed["schedule"]
+    model, schedule, seen = fsdp_cases.scheduled()
+    single = fsdp_cases.train(model, "dynamic", schedule=schedule)
+    steps = fsdp_cases.STEPS
+    assert sharded["formats"][:steps] == seen[:steps] == ["Float8Tensor"] * (steps - 1) + ["MXFP8Tensor"]
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 def test_mixed_precision_policy_gathers_a_bf16_quantized_weight(distributed, weights):
     result = distributed[("mixed", weights)]
