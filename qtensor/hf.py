@@ -32,6 +32,7 @@ from . import checkpoint, hf_files, recipes
 from .layers import experts
 from .layers.quantized_stack import QuantizedStack
 from .hf_export import export  # noqa: F401 (qtensor.hf.export)
+from .hf_schedule import PrecisionScheduleCallback  # noqa: F401 (qtensor.hf.PrecisionScheduleCallback)
 from .optim import MasterWeights
 from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, running_state, save_running_state
 from .core.quantizer import decode_value, encode_value

@@ -108,10 +108,12 @@ class Switch:
 class PrecisionSchedule:
     """Phases of recipes over a training run (module docstring). `model` is quantized with the
     first phase's recipe; `weights` and the other keyword arguments go to `quantize_` (`exclude=`
-    keeps layers in high precision throughout). A layer the first phase keeps in high precision
-    stays so: a later phase cannot quantize it (give it an `IdentityQuantizer` in the first phase
-    to make it a quantized layer that runs in high precision until then). Build the optimizer
-    after (quantize_ replaces the parameters) and `attach` it."""
+    keeps layers in high precision throughout). A model quantized already (`from_pretrained` with
+    a `QTensorConfig`) must be in that recipe's formats: the schedule takes its layers as they are.
+    A layer the first phase keeps in high precision stays so: a later phase cannot quantize it
+    (give it an `IdentityQuantizer` in the first phase to make it a quantized layer that runs in
+    high precision until then). Build the optimizer after (quantize_ replaces the parameters) and
+    `attach` it."""
 
     def __init__(self, model: nn.Module, phases, *, total_steps: int | None = None, weights: str = "dynamic", **quantize_kwargs):
         self.model = model
@@ -122,9 +124,14 @@ class PrecisionSchedule:
         self.step_count = 0
         self.phase = 0
         self.switches: list[Switch] = []
-        self.report = quantize_(model, self.phases[0][1], weights=weights, **quantize_kwargs)
         self._layers = _quantized_layers(model)
-        self._check_later_phases()
+        if self._layers:  # quantized already (from_pretrained with a QTensorConfig): the first phase must be its recipe
+            self.report = getattr(model, "qtensor_report", None)
+            self._check_first_phase()
+        else:
+            self.report = quantize_(model, self.phases[0][1], weights=weights, **quantize_kwargs)
+            self._layers = _quantized_layers(model)
+            self._check_later_phases()
 
     def __repr__(self) -> str:
         phases = ", ".join(f"from step {start}: {recipe!r}" for start, recipe in self.phases)
@@ -137,7 +144,11 @@ class PrecisionSchedule:
     def step(self) -> Switch | None:
         """One optimizer step done: switch the model to the next step's phase where one begins
         (the switch, else None)."""
-        self.step_count += 1
+        return self.go_to_step(self.step_count + 1)
+
+    def go_to_step(self, step: int) -> Switch | None:
+        """`step` optimizer steps done (a trainer's global step): the model in that step's phase."""
+        self.step_count = int(step)
         return self._go_to(self.phase_at(self.step_count))
 
     def state_dict(self) -> dict:
@@ -152,8 +163,7 @@ class PrecisionSchedule:
                 f"PrecisionSchedule.load_state_dict: the saved schedule's phases start at steps {state['phase_starts']}, "
                 f"this one's at {starts}; resume with the schedule the run was saved with."
             )
-        self.step_count = int(state["step"])
-        return self._go_to(self.phase_at(self.step_count))
+        return self.go_to_step(state["step"])
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Advance after each of `optimizer`'s steps. A `MasterWeights` also gives held weights the
@@ -267,6 +277,17 @@ class PrecisionSchedule:
         weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
         setattr(module, attribute, replacement)
         self.optimizer.replace_parameter(weight, replacement)
+
+    def _check_first_phase(self) -> None:
+        """A model quantized before the schedule was made: its layers must be what the first phase's
+        recipe makes (layers it left in high precision stay so)."""
+        recipe = self.phases[0][1]
+        differ = [layer for layer, (module, attribute) in self._layers.items() if self._next_config(module, attribute, layer, recipe) is not None]
+        if differ:
+            raise ValueError(
+                f"PrecisionSchedule: the model is quantized already, and {differ[:3]} differ from what the first phase's recipe "
+                f"({recipe!r}) makes. Give the schedule the recipe the model was quantized with as its first phase."
+            )
 
     def _check_later_phases(self) -> None:
         """A layer the first phase's factory keeps in high precision must stay so (class docstring)."""
