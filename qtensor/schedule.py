@@ -224,11 +224,11 @@ class PrecisionSchedule:
     def _check_switchable(self, layer, module, attribute, new: LinearQuantizers) -> None:
         old, weights = module._qtensor_layers[attribute]
         weight = getattr(module, attribute)
-        if hasattr(weight, "_local_tensor") and (weights == "quantized" or weight.dim() == 3 or not _fsdp_sharded(module)):
-            how = "held quantized, under FSDP2" if weights == "quantized" else "an expert stack" if weight.dim() == 3 else "tensor parallelism"
+        if hasattr(weight, "_local_tensor") and (weights == "quantized" or weight.dim() == 3):
+            how = "held quantized" if weights == "quantized" else "an expert stack"
             raise NotImplementedError(
                 f"PrecisionSchedule: {layer} is sharded ({how}); switching such a layer's formats is not supported yet "
-                "(under FSDP2, dynamic weights of linear layers switch). Nothing was switched."
+                "(sharded dynamic weights of linear layers switch, under FSDP2 and tensor parallelism). Nothing was switched."
             )
         if weight.dim() == 3 and (weights == "quantized" or old.experts or any(q is not None and q.state_buffers() for q in new.roles().values())):
             raise NotImplementedError(
@@ -259,11 +259,11 @@ class PrecisionSchedule:
         weight = getattr(module, attribute)
         module._qtensor_layers[attribute] = (new, weights)
         local = getattr(weight, "_local_tensor", None)
-        if local is not None:  # a dynamic weight's shard under FSDP2: its next gathers cast anew
+        if local is not None:  # a dynamic weight's shard (FSDP2, tensor parallelism): its next casts use the new quantizers
             local.linear_quantizers = new
             for cached in ("shard_cast", "reduced_amaxes", "rowwise_cast_suffices"):
                 local.__dict__.pop(cached, None)
-            if not fsdp_state.regather_afresh(module, local):
+            if _fsdp_sharded(module) and not fsdp_state.regather_afresh(module, local):  # FSDP2 gathers the new format anew
                 raise RuntimeError(f"PrecisionSchedule: FSDP2's state of {new.name} cannot be read; its gathers cannot be made anew.")
             return
         if not isinstance(weight, QuantizedWeight) or new.weight is old.weight:

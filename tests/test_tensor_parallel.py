@@ -73,6 +73,21 @@ def test_tensor_parallel_training_equals_one_process(distributed, recipe, weight
         torch.testing.assert_close(parallel["weights"][name], weight, **TOLERANCE, msg=name)
 
 
+def test_a_precision_schedule_switches_tensor_parallel_layers_like_one_process(distributed):
+    """float8_current, then mxfp8 for the last step (qtensor.PrecisionSchedule) on column- and
+    row-parallel dynamic weights: every one of the 14 layers switches at step 2 on both runs, and
+    the 2 ranks train like one process (within the CPU tolerance of the runs above)."""
+    parallel = distributed["schedule"]
+    model, schedule = tp_cases.scheduled()
+    single = tp_cases.train(model, "dynamic", schedule=schedule)
+    steps = tp_cases.STEPS
+    assert parallel["switches"] == [(s.step, s.phase, len(s.changes)) for s in schedule.switches] == [(steps - 1, 1, 14)]
+    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), **TOLERANCE)
+    torch.testing.assert_close(parallel["output"], single["output"], **TOLERANCE)
+    for name, weight in single["weights"].items():
+        torch.testing.assert_close(parallel["weights"][name], weight, **TOLERANCE, msg=name)
+
+
 def test_the_parallel_runs_moved_the_weights():
     """The control for the test above: training changes every weight, so agreeing after it means something."""
     model = tp_cases.build("mxfp8", "dynamic")

@@ -110,6 +110,14 @@ def build(recipe: str, weights: str, seed: int = 0, width: int = WIDTH) -> nn.Mo
     return model
 
 
+def scheduled() -> tuple:
+    """(Net, its precision schedule): float8_current, then mxfp8 from the last step on (dynamic weights)."""
+    torch.manual_seed(0)
+    model = Net(WIDTH).to(DEVICE)
+    phases = [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(STEPS - 1, qtensor.recipes.mxfp8())]
+    return model, qtensor.PrecisionSchedule(model, phases, strict=True)
+
+
 def plan(sequence_parallel: bool | str) -> dict:
     """torch's parallel styles for one block, as torchtitan applies them to Llama."""
     from torch.distributed.tensor import Replicate, Shard
@@ -151,7 +159,7 @@ def batches(seed: int = 1, width: int = WIDTH):
                torch.randn(BATCH, TOKENS, width, generator=generator).to(DEVICE))
 
 
-def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequence_parallel: bool | str = False, group=None) -> dict:
+def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequence_parallel: bool | str = False, group=None, schedule=None) -> dict:
     """SGD steps on `batches()`: the losses, the output of a last forward, the weights after training.
     With sequence parallelism each rank (`rank` of `world` in the tensor-parallel `group`) feeds and
     scores its own slice of the tokens, and its loss is its slice's share of the whole batch's."""
@@ -160,6 +168,8 @@ def train(model: nn.Module, weights: str, *, rank: int = 0, world: int = 1, sequ
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, foreach=False)
     if weights == "quantized":
         optimizer = qtensor.optim.MasterWeights(optimizer)
+    if schedule is not None:  # a precision schedule, advanced by the optimizer's steps
+        schedule.attach(optimizer)
     losses, width = [], model.layers[0].attention_norm.weight.shape[0]
     for x, target in batches(width=width):
         if sequence_parallel:
@@ -255,6 +265,10 @@ def run_distributed(out_path: str) -> None:
             result = train(model, weights, rank=rank, world=world, sequence_parallel=sequence_parallel)
         results[(recipe, weights, sequence_parallel)] = {**result, "shards": shards, "quantized_linears": count[0],
                                                          "gathers": sequence_parallel_module.gather_stats()}
+    # A precision schedule switching the column- and row-parallel layers' formats between steps.
+    model, schedule = scheduled()
+    result = train(parallelize(model, mesh, False), "dynamic", rank=rank, world=world, schedule=schedule)
+    results["schedule"] = {**result, "switches": [(s.step, s.phase, len(s.changes)) for s in schedule.switches]}
     # Under bf16 autocast: which gathers stay quantized (an MXFP8 gradient's two copies are not fewer
     # bytes than its bf16 values), over one training step.
     for recipe in ("mxfp8", "nvfp4"):
