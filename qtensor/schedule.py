@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .core.numerics import sharded_cast
 from .core.quantizer import Quantizer
 from .distributed import fsdp_state
 from .formats.hybrid import HybridQuantizer
@@ -224,11 +225,13 @@ class PrecisionSchedule:
     def _check_switchable(self, layer, module, attribute, new: LinearQuantizers) -> None:
         old, weights = module._qtensor_layers[attribute]
         weight = getattr(module, attribute)
-        if hasattr(weight, "_local_tensor") and (weights == "quantized" or weight.dim() == 3):
-            how = "held quantized" if weights == "quantized" else "an expert stack"
+        sharded = hasattr(weight, "_local_tensor")
+        held_elsewhere = weights == "quantized" and new.weight is not old.weight and not _fsdp_sharded(module)
+        if sharded and (weight.dim() == 3 or held_elsewhere):
+            how = "an expert stack" if weight.dim() == 3 else "held quantized, under tensor parallelism"
             raise NotImplementedError(
                 f"PrecisionSchedule: {layer} is sharded ({how}); switching such a layer's formats is not supported yet "
-                "(sharded dynamic weights of linear layers switch, under FSDP2 and tensor parallelism). Nothing was switched."
+                "(sharded dynamic weights switch under FSDP2 and tensor parallelism, held ones under FSDP2). Nothing was switched."
             )
         if weight.dim() == 3 and (weights == "quantized" or old.experts or any(q is not None and q.state_buffers() for q in new.roles().values())):
             raise NotImplementedError(
@@ -259,12 +262,8 @@ class PrecisionSchedule:
         weight = getattr(module, attribute)
         module._qtensor_layers[attribute] = (new, weights)
         local = getattr(weight, "_local_tensor", None)
-        if local is not None:  # a dynamic weight's shard (FSDP2, tensor parallelism): its next casts use the new quantizers
-            local.linear_quantizers = new
-            for cached in ("shard_cast", "reduced_amaxes", "rowwise_cast_suffices"):
-                local.__dict__.pop(cached, None)
-            if _fsdp_sharded(module) and not fsdp_state.regather_afresh(module, local):  # FSDP2 gathers the new format anew
-                raise RuntimeError(f"PrecisionSchedule: FSDP2's state of {new.name} cannot be read; its gathers cannot be made anew.")
+        if local is not None:
+            self._apply_to_shard(module, attribute, weight, local, new, recast=weights == "quantized" and new.weight is not old.weight)
             return
         if not isinstance(weight, QuantizedWeight) or new.weight is old.weight:
             weight.linear_quantizers = new  # the same parameter: the next cast uses the new quantizers
@@ -277,6 +276,35 @@ class PrecisionSchedule:
         weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
         setattr(module, attribute, replacement)
         self.optimizer.replace_parameter(weight, replacement)
+
+    def _apply_to_shard(self, module, attribute, weight, local, new: LinearQuantizers, recast: bool) -> None:
+        """A sharded layer (FSDP2, tensor parallelism): the local shard takes the new quantizers, or
+        where a held weight changes format (FSDP2), a new shard cast from the master's shard with the
+        whole tensor's scales (as MasterWeights' write-back casts) takes its place; FSDP2 then sizes
+        the parameter's gathers anew."""
+        param = fsdp_state.fsdp_param_of(module, local)
+        if _fsdp_sharded(module) and param is None:
+            raise RuntimeError(f"PrecisionSchedule: FSDP2's state of {new.name} cannot be read; its gathers cannot be made anew.")
+        if not recast:
+            local.linear_quantizers = new
+            for cached in ("shard_cast", "reduced_amaxes", "rowwise_cast_suffices"):
+                local.__dict__.pop(cached, None)
+        else:
+            from torch.distributed.tensor import DTensor
+
+            master = self._master_of(weight)
+            groups = fsdp_state.placement_groups(weight.device_mesh, weight.placements)
+            with torch.no_grad(), sharded_cast(groups, owner="a precision schedule's switch"):
+                cast = new.weight.quantize(master._local_tensor.detach(), rowwise=True, columnwise=True)
+            shard = quantized_weight(cast.with_storages(cast.rowwise, cast.columnwise, dtype=local.dtype), new)
+            whole = DTensor.from_local(shard, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride())
+            replacement = nn.Parameter(whole, requires_grad=weight.requires_grad)
+            weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
+            setattr(module, attribute, replacement)
+            param.reset_sharded_param()  # FSDP2 takes the new parameter (padding its shard as at sharding)
+            self.optimizer.replace_parameter(weight, replacement)
+        if param is not None:
+            fsdp_state.regather_afresh(param)
 
     def _check_first_phase(self) -> None:
         """A model quantized before the schedule was made: its layers must be what the first phase's
@@ -304,8 +332,7 @@ class PrecisionSchedule:
 
 def _fsdp_sharded(module: nn.Module) -> bool:
     """Whether FSDP2 shards `module`'s parameters (tensor parallelism alone does not)."""
-    group, _ = fsdp_state._param_group_of(module)
-    return group is not None
+    return any(fsdp_state.fsdp_param_of(module, getattr(p, "_local_tensor", None)) is not None for p in module.parameters(recurse=False))
 
 
 def _resolved(phases, total_steps: int | None) -> list[tuple[int, Recipe]]:

@@ -182,13 +182,19 @@ def held_copies(model: nn.Module) -> dict:
 ONE_COPY_RECIPES = ("float8_current", "nvfp4")  # per-tensor FP8's transpose; NVFP4's 16x16 weight tiles
 
 
-def scheduled() -> tuple:
-    """(Net, its precision schedule): float8_current, then mxfp8 from the last step on (dynamic
-    weights), and a record of the format of the first layer's weight at each forward."""
+# A precision schedule's two recipes by weight mode: the held weights switch into per-tensor
+# scaling, whose scale is the whole weight's (each rank casts its shard of the master at it).
+SCHEDULED = {"dynamic": ("float8_current", "mxfp8"), "quantized": ("mxfp8", "float8_current")}
+
+
+def scheduled(weights: str) -> tuple:
+    """(Net, its precision schedule: SCHEDULED's first recipe, then its second from the last step
+    on, a record of the format of the first layer's weight at each forward)."""
     torch.manual_seed(0)
     model = Net().to(device())
-    phases = [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(STEPS - 1, qtensor.recipes.mxfp8())]
-    schedule = qtensor.PrecisionSchedule(model, phases, strict=True)
+    first, then = SCHEDULED[weights]
+    phases = [qtensor.Phase(0, RECIPES[first]()), qtensor.Phase(STEPS - 1, RECIPES[then]())]
+    schedule = qtensor.PrecisionSchedule(model, phases, weights=weights, strict=True)
     seen = []
     model.layers[0].up.register_forward_pre_hook(lambda module, args: seen.append(_format_class(_used_weight(module.weight))))
     return model, schedule, seen
@@ -481,11 +487,12 @@ def run_distributed(out_path: str) -> None:
             results[("checkpointed", recipe, reshard)] = {"error": str(error)}
     # A precision schedule switching formats between steps: the gathers after the switch bring the
     # new format, made at their new sizes.
-    if not only or only == "schedule":
-        model, schedule, seen = scheduled()
-        GATHER_LOG.clear()
-        result = train(sharded(model, mesh), "dynamic", schedule=schedule)
-        results["schedule"] = {**result, "formats": list(seen), "all_gathers": list(GATHER_LOG)}
+    for weights in SCHEDULED:
+        if only and only != "schedule":
+            break
+        model, schedule, seen = scheduled(weights)
+        result = train(sharded(model, mesh), weights, schedule=schedule)
+        results[("schedule", weights)] = {**result, "formats": list(seen)}
     # A frozen block holding one copy of each weight (a LoRA base): the gathers bring that copy, the
     # backward rebuilds dgrad's from it.
     for recipe in ONE_COPY_RECIPES:

@@ -182,15 +182,19 @@ def test_meta_device_init_on_one_process_equals_eager_init(recipe, weights, monk
     assert fsdp_cases.train(model, weights)["losses"] == fsdp_cases.train(fsdp_cases.build(recipe, weights), weights)["losses"]
 
 
-def test_a_precision_schedule_switches_sharded_dynamic_weights_like_one_process(distributed):
-    """float8_current, then mxfp8 for the last step (qtensor.PrecisionSchedule): on 2 ranks the
-    gathered weights are Float8, then MXFP8 (FSDP2's gather buffers made again at their new sizes),
-    and the losses and logits are the single process's."""
-    sharded = distributed["schedule"]
-    model, schedule, seen = fsdp_cases.scheduled()
-    single = fsdp_cases.train(model, "dynamic", schedule=schedule)
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_precision_schedule_switches_sharded_weights_like_one_process(distributed, weights):
+    """A format switch for the last step (qtensor.PrecisionSchedule): dynamic weights from
+    float8_current to mxfp8, held weights from mxfp8 to float8_current (each rank's shard cast
+    again from its master's shard at the whole weight's scale). On 2 ranks the gathered weights
+    are in the first format, then the second (FSDP2's gather buffers made again at their new
+    sizes), and the losses and logits are the single process's."""
+    sharded = distributed[("schedule", weights)]
+    model, schedule, seen = fsdp_cases.scheduled(weights)
+    single = fsdp_cases.train(model, weights, schedule=schedule)
     steps = fsdp_cases.STEPS
-    assert sharded["formats"][:steps] == seen[:steps] == ["Float8Tensor"] * (steps - 1) + ["MXFP8Tensor"]
+    first, then = ({"float8_current": "Float8Tensor", "mxfp8": "MXFP8Tensor"}[r] for r in fsdp_cases.SCHEDULED[weights])
+    assert sharded["formats"][:steps] == seen[:steps] == [first] * (steps - 1) + [then]
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-6, atol=0)
     torch.testing.assert_close(sharded["logits"], single["logits"], rtol=1e-6, atol=1e-7)
 

@@ -201,17 +201,18 @@ def param_groups(states):
         yield from groups
 
 
-def regather_afresh(module, local) -> bool:
-    """Let FSDP2 size the next all-gather of `module`'s parameter whose local shard is `local` anew:
-    FSDP2 makes a parameter's gather buffers and its unsharded parameter at its first gather, for
-    that gather's tensors, and reuses them after; a precision schedule that changes the parameter's
-    format changes those tensors. Call it while the parameter is sharded (between steps). False
-    where FSDP2's state cannot be read."""
+def fsdp_param_of(module, local):
+    """FSDP2's parameter of `module` whose local shard is `local`, or None (not sharded by FSDP2,
+    or its state cannot be read)."""
     group, _ = _param_group_of(module)
-    param = _fsdp_param_of(local, group) if group is not None else None
-    if param is None:
-        return False
+    return _fsdp_param_of(local, group) if group is not None else None
+
+
+def regather_afresh(param) -> None:
+    """Let FSDP2 size the next all-gather of its parameter `param` anew: FSDP2 makes a parameter's
+    gather buffers and its unsharded parameter at its first gather, for that gather's tensors, and
+    reuses them after; a precision schedule that changes the parameter's format changes those
+    tensors. Call it while the parameter is sharded (between steps)."""
     param.all_gather_outputs = []  # made again, at the new sizes, by the next gather
     param.__dict__.pop("_unsharded_param", None)  # so the next gather makes it as at the first
     param.__dict__.pop("_unsharded_inner_tensors", None)
-    return True
