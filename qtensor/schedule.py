@@ -41,7 +41,8 @@ from .distributed import fsdp_state
 from .formats.hybrid import HybridQuantizer
 from .formats.identity import IdentityQuantizer
 from .layers.config import LinearQuantizers
-from .layers.weight import QuantizedWeight, quantized_weight
+from .layers.quantized_stack import quantized_stack
+from .layers.weight import quantized_weight
 from .optim import MasterWeights
 from .quantize import quantize_
 from .recipes import Recipe
@@ -233,10 +234,10 @@ class PrecisionSchedule:
                 f"PrecisionSchedule: {layer} is sharded ({how}); switching such a layer's formats is not supported yet "
                 "(sharded dynamic weights switch under FSDP2 and tensor parallelism, held ones under FSDP2). Nothing was switched."
             )
-        if weight.dim() == 3 and (weights == "quantized" or old.experts or any(q is not None and q.state_buffers() for q in new.roles().values())):
+        if weight.dim() == 3 and (old.experts or any(q is not None and q.state_buffers() for q in new.roles().values())):
             raise NotImplementedError(
-                f"PrecisionSchedule: {layer} is an expert stack held quantized or with delayed scaling; switching such a "
-                "stack is not supported yet (dynamic stacks without delayed scaling switch). Nothing was switched."
+                f"PrecisionSchedule: {layer} is an expert stack with delayed scaling (each expert's own histories); switching "
+                "such a stack is not supported yet (stacks with stateless scaling switch). Nothing was switched."
             )
         if weights != "quantized" or new.weight is old.weight:
             return
@@ -265,14 +266,18 @@ class PrecisionSchedule:
         if local is not None:
             self._apply_to_shard(module, attribute, weight, local, new, recast=weights == "quantized" and new.weight is not old.weight)
             return
-        if not isinstance(weight, QuantizedWeight) or new.weight is old.weight:
+        if weights != "quantized" or new.weight is old.weight:
             weight.linear_quantizers = new  # the same parameter: the next cast uses the new quantizers
             return
         master = self._master_of(weight)
         with torch.no_grad():  # cast from the master, as MasterWeights' write-back casts
-            cast = new.weight.quantize(master.detach(), rowwise=True, columnwise=True)
-            cast = cast.with_storages(cast.rowwise, cast.columnwise, dtype=weight.dtype)
-        replacement = nn.Parameter(quantized_weight(cast, new), requires_grad=weight.requires_grad)
+            if weight.dim() == 3:  # an expert stack: each expert's matrix in the new format
+                held = quantized_stack(master.detach().to(weight.dtype), new)
+                held.copy_(master)
+            else:
+                cast = new.weight.quantize(master.detach(), rowwise=True, columnwise=True)
+                held = quantized_weight(cast.with_storages(cast.rowwise, cast.columnwise, dtype=weight.dtype), new)
+        replacement = nn.Parameter(held, requires_grad=weight.requires_grad)
         weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
         setattr(module, attribute, replacement)
         self.optimizer.replace_parameter(weight, replacement)

@@ -236,3 +236,65 @@ def test_what_a_schedule_cannot_do_is_refused_before_anything_changes():
         qtensor.PrecisionSchedule(mlp(), [qtensor.Phase(0, qtensor.recipes.mxfp8()), qtensor.Phase(0.5, qtensor.recipes.nvfp4())])
     with pytest.raises(ValueError, match="saved with"):
         qtensor.PrecisionSchedule(mlp(), two_phases()).load_state_dict({"step": 1, "phase_starts": [0, 5]})
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_an_moe_models_expert_stacks_switch_as_by_hand(weights):
+    """A tiny Qwen3-MoE through transformers' grouped_mm experts: float8_rowwise, then mxfp8 from
+    step 2. The expert stacks switch with the attention projections (a held stack: each expert cast
+    again from its master), and the run ends bit for bit where changing the recipe by hand ends."""
+    from test_experts import tiny_model
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def moe():
+        model = tiny_model("qwen3_moe")
+        model.set_experts_implementation("grouped_mm")
+        return model
+
+    def steps(model, optimizer, count):
+        losses = []
+        for _ in range(count):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def optimizer_of(model):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return MasterWeights(optimizer) if weights == "quantized" else optimizer
+
+    switch, total = 2, 4
+    model = moe()
+    schedule = qtensor.PrecisionSchedule(model, [qtensor.Phase(0, qtensor.recipes.float8_rowwise()), qtensor.Phase(switch, qtensor.recipes.mxfp8())], weights=weights)
+    optimizer = optimizer_of(model)
+    schedule.attach(optimizer)
+    losses = steps(model, optimizer, total)
+    switched = schedule.switches[0].changes
+    assert {layer for layer in switched if layer.endswith(("gate_up_proj", "down_proj"))} == {
+        f"model.layers.{i}.mlp.experts.{stack}" for i in range(2) for stack in ("gate_up_proj", "down_proj")}
+
+    first = moe()
+    qtensor.quantize_(first, qtensor.recipes.float8_rowwise(), weights=weights)
+    by_hand = optimizer_of(first)
+    hand_losses = steps(first, by_hand, switch)
+    second = moe()
+    qtensor.quantize_(second, qtensor.recipes.mxfp8(), weights=weights)
+    continued = optimizer_of(second)
+    with torch.no_grad():
+        for theirs, ours in zip(first.parameters(), second.parameters()):
+            if not isinstance(ours, qtensor.QuantizedTensor) and type(ours).__name__ != "QuantizedStack":
+                ours.copy_(theirs)
+    continued.load_state_dict(by_hand.state_dict())
+    hand_losses += steps(second, continued, total - switch)
+    assert losses == hand_losses
+    stack = model.model.layers[0].mlp.experts.gate_up_proj
+    if weights == "quantized":
+        assert all(isinstance(expert, qtensor.MXFP8Tensor) for expert in stack.experts)
+        for ours, theirs in zip(MasterWeights.masters(optimizer), MasterWeights.masters(continued)):
+            assert torch.equal(ours, theirs)
+    else:
+        for ours, theirs in zip(model.parameters(), second.parameters()):
+            assert torch.equal(ours.detach(), theirs.detach())
