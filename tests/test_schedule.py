@@ -19,21 +19,23 @@ from qtensor.optim import MasterWeights
 STEPS, SWITCH = 6, 3
 
 
-def mlp(seed=0):
+def mlp(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+    return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32)).to(device)
 
 
-def batch(step):
+def batch(step, device="cpu"):
     generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(16, 64, generator=generator), torch.randn(16, 32, generator=generator)
+    return torch.randn(16, 64, generator=generator).to(device), torch.randn(16, 32, generator=generator).to(device)
 
 
 def train(model, optimizer, steps, start=0):
     losses = []
+    device = next(model.parameters()).device
     for step in range(start, start + steps):
-        x, target = batch(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(1000 + step)  # stochastic rounding draws from torch's generator: alike in the runs compared
+        x, target = batch(step, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = (model(x).float() - target).square().mean()
         loss.backward()
         optimizer.step()
@@ -88,26 +90,39 @@ def test_a_schedule_switches_at_its_steps_and_reports_each_switch():
     assert "phase 1 begins; 2 layer(s) switched" in str(first)
 
 
+LATE_MXFP8 = qtensor.forward_in(qtensor.recipes.mxfp8(), qtensor.recipes.nvfp4())
+PAIRS = {  # (first recipe, then, the format of the weight's forward copy after the switch)
+    "float8_current to mxfp8": (qtensor.recipes.float8_current(), qtensor.recipes.mxfp8(), "MXFP8Tensor"),
+    "nvfp4 to an mxfp8 forward": (qtensor.recipes.nvfp4(), LATE_MXFP8, "HybridQuantizedTensor"),
+}
+ON_DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+@pytest.mark.parametrize("pair", list(PAIRS))
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-def test_a_switch_equals_changing_the_recipe_by_hand(weights):
-    """float8_current, then mxfp8 from step 3: the schedule's run ends bit for bit where a run ends
-    that stops at step 3, builds a fresh model with the mxfp8 recipe, loads the first model's values
-    and optimizer state into it, and goes on. The optimizer keeps its state across the switch (the
-    same parameters, or for held weights the same masters)."""
-    model = mlp()
-    schedule = qtensor.PrecisionSchedule(model, two_phases(), weights=weights)
+def test_a_switch_equals_changing_the_recipe_by_hand(weights, pair, device):
+    """One recipe, then another from step 3 (float8_current then mxfp8; NVFP4 then its forward in
+    MXFP8, the study's late switch): the schedule's run ends bit for bit where a run ends that stops
+    at step 3, builds a fresh model with the second recipe, loads the first model's values and
+    optimizer state into it, and goes on. The optimizer keeps its state across the switch (the
+    same parameters, or for held weights the same masters). On the CPU and on a GPU (its kernels)."""
+    first_recipe, then_recipe, then_format = PAIRS[pair]
+    model = mlp(device=device)
+    schedule = qtensor.PrecisionSchedule(model, [qtensor.Phase(0, first_recipe), qtensor.Phase(SWITCH, then_recipe)], weights=weights)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     optimizer = MasterWeights(optimizer) if weights == "quantized" else optimizer
     schedule.attach(optimizer)
     losses = train(model, optimizer, STEPS)
 
-    first = mlp()
-    qtensor.quantize_(first, qtensor.recipes.float8_current(), weights=weights)
+    first = mlp(device=device)
+    qtensor.quantize_(first, first_recipe, weights=weights)
     by_hand = torch.optim.AdamW(first.parameters(), lr=1e-2)
     by_hand = MasterWeights(by_hand) if weights == "quantized" else by_hand
     hand_losses = train(first, by_hand, SWITCH)
-    second = mlp()
-    qtensor.quantize_(second, qtensor.recipes.mxfp8(), weights=weights)
+    second = mlp(device=device)
+    qtensor.quantize_(second, then_recipe, weights=weights)
     continued = torch.optim.AdamW(second.parameters(), lr=1e-2)
     continued = MasterWeights(continued) if weights == "quantized" else continued
     with torch.no_grad():  # the plain parameters' values, and a dynamic weight's
@@ -120,7 +135,7 @@ def test_a_switch_equals_changing_the_recipe_by_hand(weights):
     assert losses == hand_losses
     for ours, theirs in zip(values(model), values(second), strict=True):
         assert torch.equal(ours, theirs)
-    assert [f[0] for f in formats(model)] == ["MXFP8Tensor"] * 2
+    assert [f[0] for f in formats(model)] == [then_format] * 2
 
 
 @pytest.mark.parametrize("saved_at", [2, 4], ids=["before the switch", "after the switch"])
