@@ -28,7 +28,7 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from . import checkpoint, hf_files, recipes
+from . import checkpoint, hf_files, hf_schedule, recipes
 from .layers import experts
 from .layers.quantized_stack import QuantizedStack
 from .hf_export import export  # noqa: F401 (qtensor.hf.export)
@@ -444,6 +444,7 @@ class QTensorTrainer(Trainer):
             return
         if not isinstance(getattr(model, "hf_quantizer", None), QTensorHfQuantizer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        hf_schedule.before_checkpoint_load(self, resume_from_checkpoint)  # the layers in the checkpoint's formats
         checkpoint.load_model_files(model, checkpoint_files(resume_from_checkpoint), strict=True, device=next(model.parameters()).device)
 
 

@@ -11,6 +11,9 @@ that step's phase, and a run resumed from a checkpoint starts in the checkpoint'
 
 from __future__ import annotations
 
+import json
+import os
+
 from transformers import TrainerCallback
 
 from .optim import MasterWeights
@@ -20,9 +23,8 @@ from .schedule import PrecisionSchedule
 class PrecisionScheduleCallback(TrainerCallback):
     """Keeps `schedule` at the Trainer's global step (module docstring). Weights held quantized
     are cast again from the masters of the Trainer's `MasterWeights` (QTensorTrainer makes it).
-    Resuming from a checkpoint saved after a switch loads that phase's held weights into a model
-    in the first phase's formats, which fails: resume held weights from a checkpoint of the phase
-    the model starts in (dynamic weights resume from any)."""
+    Resuming, `QTensorTrainer` moves the schedule to the checkpoint's step before it loads the
+    checkpoint's weights, which are in that step's formats."""
 
     def __init__(self, schedule: PrecisionSchedule):
         if not isinstance(schedule, PrecisionSchedule):
@@ -30,6 +32,8 @@ class PrecisionScheduleCallback(TrainerCallback):
         self.schedule = schedule
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        # (A resumed run's schedule is at the checkpoint's step already: QTensorTrainer moved it
+        # there before loading the checkpoint's weights, `before_checkpoint_load`.)
         self.schedule.optimizer = _unwrapped(optimizer)
         self.schedule.go_to_step(state.global_step)
 
@@ -42,3 +46,17 @@ def _unwrapped(optimizer):
     while optimizer is not None and not isinstance(optimizer, MasterWeights) and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def before_checkpoint_load(trainer, directory) -> None:
+    """Before `trainer` loads the weights of the checkpoint in `directory`: each schedule of its
+    callbacks at the checkpoint's global step, so that the model's layers are in the formats the
+    checkpoint's were saved in (its `trainer_state.json` says the step)."""
+    schedules = [c.schedule for c in trainer.callback_handler.callbacks if isinstance(c, PrecisionScheduleCallback)]
+    path = os.path.join(directory, "trainer_state.json")
+    if not schedules or not os.path.exists(path):
+        return
+    with open(path) as file:
+        step = json.load(file)["global_step"]
+    for schedule in schedules:
+        schedule.go_to_step(step, before_loading=True)

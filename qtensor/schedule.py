@@ -44,7 +44,7 @@ from .layers.config import LinearQuantizers
 from .layers.quantized_stack import quantized_stack
 from .layers.weight import quantized_weight
 from .optim import MasterWeights
-from .quantize import quantize_
+from .quantize import _check_no_shared_running_state, quantize_
 from .recipes import Recipe
 
 
@@ -66,10 +66,16 @@ class forward_in:
     the operand's values as they come, fp32 or bf16)."""
 
     def __init__(self, forward, backward):
+        for side, given in (("forward", forward), ("backward", backward)):
+            if isinstance(given, Recipe) and (given.backward_override or given.backward_fast_accumulation):
+                raise ValueError(
+                    f"forward_in: the {side} Recipe's backward options would be lost (a factory has none); give them to "
+                    "the phase's Recipe: qtensor.Recipe(qtensor.forward_in(...), backward_fast_accumulation=True)."
+                )
         self.forward, self.backward = forward, backward
         self._forward, self._backward = _factory_of(forward), _factory_of(backward)
-        # Read by Recipe: the forward's own choice of fast accumulation.
-        self.fprop_fast_accumulation = getattr(self._forward, "fprop_fast_accumulation", False)
+        # Read by Recipe: the forward's own choice of fast accumulation (a Recipe's, else its factory's).
+        self.fprop_fast_accumulation = getattr(forward, "fprop_fast_accumulation", False) if forward is not None else False
 
     def __call__(self, role):
         back = self._backward(role)
@@ -128,12 +134,17 @@ class PrecisionSchedule:
         self.switches: list[Switch] = []
         self._layers = _quantized_layers(model)
         if self._layers:  # quantized already (from_pretrained with a QTensorConfig): the first phase must be its recipe
-            self.report = getattr(model, "qtensor_report", None)
+            if quantize_kwargs or weights != "dynamic":
+                raise ValueError(
+                    f"PrecisionSchedule: the model is quantized already; {sorted(quantize_kwargs) or ['weights']} would be "
+                    "quantize_'s options, which were settled when it was quantized. Leave them out."
+                )
+            self.report = getattr(model, "qtensor_report", None)  # (transformers' loader keeps quantize_'s report there)
             self._check_first_phase()
         else:
             self.report = quantize_(model, self.phases[0][1], weights=weights, **quantize_kwargs)
             self._layers = _quantized_layers(model)
-            self._check_later_phases()
+        self._check_later_phases()
 
     def __repr__(self) -> str:
         phases = ", ".join(f"from step {start}: {recipe!r}" for start, recipe in self.phases)
@@ -148,10 +159,14 @@ class PrecisionSchedule:
         (the switch, else None)."""
         return self.go_to_step(self.step_count + 1)
 
-    def go_to_step(self, step: int) -> Switch | None:
-        """`step` optimizer steps done (a trainer's global step): the model in that step's phase."""
-        self.step_count = int(step)
-        return self._go_to(self.phase_at(self.step_count))
+    def go_to_step(self, step: int, *, before_loading: bool = False) -> Switch | None:
+        """`step` optimizer steps done (a trainer's global step): the model in that step's phase.
+        `before_loading`: a checkpoint's weights are loaded next, over whatever values the switch
+        gives held weights, so a held weight without a master is cast from its own values."""
+        step = int(step)
+        switch = self._go_to(self.phase_at(step), step, before_loading)
+        self.step_count = step  # (only once the switch is made: a refused one leaves the position as it was)
+        return switch
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "phase_starts": [start for start, _ in self.phases]}
@@ -181,28 +196,36 @@ class PrecisionSchedule:
             self._hook = None
 
     # ---- switching --------------------------------------------------------------------------
-    def _go_to(self, phase: int) -> Switch | None:
+    def _go_to(self, phase: int, step: int, before_loading: bool = False) -> Switch | None:
         if phase == self.phase:
             return None
-        recipe = self.phases[phase][1]
-        planned = [(layer, module, attribute, self._next_config(module, attribute, layer, recipe)) for layer, (module, attribute) in self._layers.items()]
-        planned = [(layer, module, attribute, new) for layer, module, attribute, new in planned if new is not None]
+        planned = self._plan(self.phases[phase][1])
         for layer, module, attribute, new in planned:  # everything checked before anything changes
-            self._check_switchable(layer, module, attribute, new)
-        switch = Switch(self.step_count, phase)
+            self._check_switchable(layer, module, attribute, new, runtime=not before_loading)
+        switch = Switch(step, phase)
         for layer, module, attribute, new in planned:
             old = module._qtensor_layers[attribute][0]
-            switch.changes[layer] = {
+            changes = {
                 role: (_described(before), _described(after))
                 for (role, before), after in zip(old.roles().items(), new.roles().values())
                 if before is not after
-            } or {"options": (_options(old), _options(new))}
-            self._apply(module, attribute, new)
+            }
+            if _options(old) != _options(new):
+                changes["options"] = (_options(old), _options(new))
+            switch.changes[layer] = changes
+            self._apply(layer, module, attribute, new)
         self.phase = phase
         self.switches.append(switch)
         return switch
 
-    def _next_config(self, module, attribute, layer, recipe: Recipe) -> LinearQuantizers | None:
+    def _plan(self, recipe: Recipe) -> list:
+        """(layer, module, attribute, its configuration under `recipe`) of every layer that changes."""
+        planned = [(layer, module, attribute, self._next_config(layer, module, attribute, recipe)) for layer, (module, attribute) in self._layers.items()]
+        planned = [entry for entry in planned if entry[3] is not None]
+        _check_no_shared_running_state([(None, new) for *_, new in planned])  # (as quantize_ checks a factory)
+        return planned
+
+    def _next_config(self, layer, module, attribute, recipe: Recipe) -> LinearQuantizers | None:
         """The layer's configuration under `recipe`, keeping each quantizer that compares equal to
         its successor (and its running state); None where nothing changes."""
         old, _ = module._qtensor_layers[attribute]
@@ -223,30 +246,39 @@ class PrecisionSchedule:
         same_objects = all(new_q is old_q for new_q, old_q in zip(new.roles().values(), old.roles().values()))
         return None if same_objects and new == old else new
 
-    def _check_switchable(self, layer, module, attribute, new: LinearQuantizers) -> None:
-        old, weights = module._qtensor_layers[attribute]
+    def _check_switchable(self, layer, module, attribute, new: LinearQuantizers, runtime: bool = True) -> None:
+        """Refuse (nothing changed yet) a switch qtensor cannot make. `runtime`: the checks that
+        depend on the optimizer and the processes too (else only those of the phases' recipes, as
+        the schedule makes them when it is built)."""
+        old, _ = module._qtensor_layers[attribute]
         weight = getattr(module, attribute)
-        sharded = hasattr(weight, "_local_tensor")
-        held_elsewhere = weights == "quantized" and new.weight is not old.weight and not _fsdp_sharded(module)
-        if sharded and (weight.dim() == 3 or held_elsewhere):
-            how = "an expert stack" if weight.dim() == 3 else "held quantized, under tensor parallelism"
-            raise NotImplementedError(
-                f"PrecisionSchedule: {layer} is sharded ({how}); switching such a layer's formats is not supported yet "
-                "(sharded dynamic weights switch under FSDP2 and tensor parallelism, held ones under FSDP2). Nothing was switched."
-            )
         if weight.dim() == 3 and (old.experts or any(q is not None and q.state_buffers() for q in new.roles().values())):
             raise NotImplementedError(
                 f"PrecisionSchedule: {layer} is an expert stack with delayed scaling (each expert's own histories); switching "
                 "such a stack is not supported yet (stacks with stateless scaling switch). Nothing was switched."
             )
-        if weights != "quantized" or new.weight is old.weight:
-            return
-        if new.weight is None:
+        recast = _held(weight) and new.weight is not old.weight
+        if recast and new.weight is None:
             raise ValueError(
-                f"PrecisionSchedule: {layer} holds its weight quantized, and the next phase keeps it in high precision. "
-                "Give that role an IdentityQuantizer (the weight held in high precision as a quantized tensor). Nothing was switched."
+                f"PrecisionSchedule: {layer} holds its weight quantized, and a phase keeps it in high precision. Give that "
+                "role an IdentityQuantizer (the weight held in high precision as a quantized tensor). Nothing was switched."
             )
-        if self._master_of(weight) is None:
+        if not runtime:
+            return
+        sharded = hasattr(weight, "_local_tensor")
+        if sharded and (weight.dim() == 3 or (recast and not _fsdp_sharded(module))):
+            how = "an expert stack" if weight.dim() == 3 else "held quantized, under tensor parallelism"
+            raise NotImplementedError(
+                f"PrecisionSchedule: {layer} is sharded ({how}); switching such a layer's formats is not supported yet "
+                "(sharded dynamic weights switch under FSDP2 and tensor parallelism, held ones under FSDP2). Nothing was switched."
+            )
+        if recast and not sharded and _several_processes():
+            raise NotImplementedError(
+                f"PrecisionSchedule: {layer}'s held weight changes format, which makes it a new parameter, and several processes "
+                "train (DistributedDataParallel would keep reducing the old one). Switch held weights under FSDP2, or keep "
+                "the weight role's format across the phases. Nothing was switched."
+            )
+        if recast and self._master_of(weight) is None:
             raise ValueError(
                 f"PrecisionSchedule: {layer}'s weight is held quantized and changes format, which casts it again from its "
                 "high-precision master: attach the qtensor.optim.MasterWeights that trains it (a frozen held "
@@ -258,29 +290,35 @@ class PrecisionSchedule:
             return next((master for param, master in self.optimizer.pairs if param is weight), None)
         return None
 
-    def _apply(self, module, attribute, new: LinearQuantizers) -> None:
+    def _apply(self, layer, module, attribute, new: LinearQuantizers) -> None:
         old, weights = module._qtensor_layers[attribute]
         weight = getattr(module, attribute)
         module._qtensor_layers[attribute] = (new, weights)
+        recast = _held(weight) and new.weight is not old.weight
         local = getattr(weight, "_local_tensor", None)
         if local is not None:
-            self._apply_to_shard(module, attribute, weight, local, new, recast=weights == "quantized" and new.weight is not old.weight)
+            self._apply_to_shard(module, attribute, weight, local, new, recast)
             return
-        if weights != "quantized" or new.weight is old.weight:
+        if not recast:
             weight.linear_quantizers = new  # the same parameter: the next cast uses the new quantizers
             return
+        # Cast from the master, as MasterWeights' write-back casts (before a checkpoint's load, where
+        # there is none yet, from the weight's own values, which the load replaces).
         master = self._master_of(weight)
-        with torch.no_grad():  # cast from the master, as MasterWeights' write-back casts
+        source = master.detach() if master is not None else weight.dequantize()
+        with torch.no_grad():
             if weight.dim() == 3:  # an expert stack: each expert's matrix in the new format
-                held = quantized_stack(master.detach().to(weight.dtype), new)
-                held.copy_(master)
+                # (made in the stack's dtype, then each expert cast from the fp32 values as write-back casts)
+                held = quantized_stack(source.to(weight.dtype), new)
+                held.copy_(source)
             else:
-                cast = new.weight.quantize(master.detach(), rowwise=True, columnwise=True)
+                cast = new.weight.quantize(source, rowwise=True, columnwise=True)
                 held = quantized_weight(cast.with_storages(cast.rowwise, cast.columnwise, dtype=weight.dtype), new)
         replacement = nn.Parameter(held, requires_grad=weight.requires_grad)
         weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
         setattr(module, attribute, replacement)
-        self.optimizer.replace_parameter(weight, replacement)
+        if master is not None:
+            self.optimizer.replace_parameter(weight, replacement)
 
     def _apply_to_shard(self, module, attribute, weight, local, new: LinearQuantizers, recast: bool) -> None:
         """A sharded layer (FSDP2, tensor parallelism): the local shard takes the new quantizers, or
@@ -288,8 +326,6 @@ class PrecisionSchedule:
         whole tensor's scales (as MasterWeights' write-back casts) takes its place; FSDP2 then sizes
         the parameter's gathers anew."""
         param = fsdp_state.fsdp_param_of(module, local)
-        if _fsdp_sharded(module) and param is None:
-            raise RuntimeError(f"PrecisionSchedule: FSDP2's state of {new.name} cannot be read; its gathers cannot be made anew.")
         if not recast:
             local.linear_quantizers = new
             for cached in ("shard_cast", "reduced_amaxes", "rowwise_cast_suffices"):
@@ -298,16 +334,18 @@ class PrecisionSchedule:
             from torch.distributed.tensor import DTensor
 
             master = self._master_of(weight)
+            source = master._local_tensor.detach() if master is not None else local.dequantize()
             groups = fsdp_state.placement_groups(weight.device_mesh, weight.placements)
             with torch.no_grad(), sharded_cast(groups, owner="a precision schedule's switch"):
-                cast = new.weight.quantize(master._local_tensor.detach(), rowwise=True, columnwise=True)
+                cast = new.weight.quantize(source, rowwise=True, columnwise=True)
             shard = quantized_weight(cast.with_storages(cast.rowwise, cast.columnwise, dtype=local.dtype), new)
             whole = DTensor.from_local(shard, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride())
             replacement = nn.Parameter(whole, requires_grad=weight.requires_grad)
             weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
             setattr(module, attribute, replacement)
             param.reset_sharded_param()  # FSDP2 takes the new parameter (padding its shard as at sharding)
-            self.optimizer.replace_parameter(weight, replacement)
+            if master is not None:
+                self.optimizer.replace_parameter(weight, replacement)
         if param is not None:
             fsdp_state.regather_afresh(param)
 
@@ -315,7 +353,7 @@ class PrecisionSchedule:
         """A model quantized before the schedule was made: its layers must be what the first phase's
         recipe makes (layers it left in high precision stay so)."""
         recipe = self.phases[0][1]
-        differ = [layer for layer, (module, attribute) in self._layers.items() if self._next_config(module, attribute, layer, recipe) is not None]
+        differ = [layer for layer, (module, attribute) in self._layers.items() if self._next_config(layer, module, attribute, recipe) is not None]
         if differ:
             raise ValueError(
                 f"PrecisionSchedule: the model is quantized already, and {differ[:3]} differ from what the first phase's recipe "
@@ -323,9 +361,15 @@ class PrecisionSchedule:
             )
 
     def _check_later_phases(self) -> None:
-        """A layer the first phase's factory keeps in high precision must stay so (class docstring)."""
-        kept = [layer for layer, reason in self.report.skipped.items() if reason.startswith("the factory keeps every tensor")]
+        """When the schedule is made: each later phase's recipe is one quantize_ would take for these
+        layers (its backward override with its quantizers, no delayed-scaling quantizer shared between
+        layers, no layer's switch refused for its recipe alone), and a layer the first phase's factory
+        keeps in high precision stays so (class docstring; where the report tells such layers)."""
+        skipped = self.report.skipped if self.report is not None else {}
+        kept = [layer for layer, reason in skipped.items() if reason.startswith("the factory keeps every tensor")]
         for index, (start, recipe) in enumerate(self.phases[1:], start=1):
+            for layer, module, attribute, new in self._plan(recipe):
+                self._check_switchable(layer, module, attribute, new, runtime=False)
             for layer in kept:
                 if any(q is not None for q in recipe.quantizers_for("linear", layer).values()):
                     raise ValueError(
@@ -333,6 +377,15 @@ class PrecisionSchedule:
                         "high precision. A layer's participation is settled by the first phase: give that layer an "
                         "IdentityQuantizer there (a quantized layer running in high precision), or keep it out with exclude=."
                     )
+
+
+def _held(weight) -> bool:
+    """Whether `weight` (a layer weight, or a DTensor over one) holds its values quantized."""
+    return not getattr(getattr(weight, "_local_tensor", weight), "quantized_at_use", True)
+
+
+def _several_processes() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _fsdp_sharded(module: nn.Module) -> bool:

@@ -530,19 +530,20 @@ def test_a_probe_for_transformers_before_its_import_keeps_the_registration():
     assert result.stdout.split() == ["True", "True"], result.stdout
 
 
+@pytest.mark.parametrize("switch", [2, 3], ids=["checkpoint after the switch", "resumed across the switch"])
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-def test_a_precision_schedule_in_the_trainer_switches_at_the_global_step_and_resumes_exactly(weights, tmp_path):
+def test_a_precision_schedule_in_the_trainer_switches_at_the_global_step_and_resumes_exactly(weights, switch, tmp_path):
     """A model from_pretrained with a QTensorConfig (float8_current), its PrecisionSchedule (mxfp8
-    from step 3) driven by PrecisionScheduleCallback: the layers are MXFP8 after training, and a
-    run resumed from its step-2 checkpoint crosses the switch to the same losses and bytes as the
-    run that went on."""
+    from step 2 or 3) driven by PrecisionScheduleCallback: the layers are MXFP8 after training,
+    and a run resumed from its step-2 checkpoint (saved after the switch at 2, in MXFP8; before
+    the one at 3) ends on the same losses and bytes as the run that went on."""
     torch.manual_seed(0)
     path = tmp_path / "plain"
     transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(path)
 
     def trainer(out):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe="float8_current", weights=weights))
-        schedule = qtensor.PrecisionSchedule(model, [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(3, qtensor.recipes.mxfp8())])
+        schedule = qtensor.PrecisionSchedule(model, [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(switch, qtensor.recipes.mxfp8())])
         args = transformers.TrainingArguments(
             out, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=2, logging_steps=1, report_to=[],
             use_cpu=True, seed=0, data_seed=0, lr_scheduler_type="constant", disable_tqdm=True,
@@ -553,7 +554,7 @@ def test_a_precision_schedule_in_the_trainer_switches_at_the_global_step_and_res
     losses = lambda t: [entry["loss"] for entry in t.state.log_history if "loss" in entry]
     uninterrupted, schedule = trainer(tmp_path / "run")
     uninterrupted.train()
-    assert [(s.step, s.phase) for s in schedule.switches] == [(3, 1)]
+    assert [(s.step, s.phase) for s in schedule.switches] == [(switch, 1)]
     layer = uninterrupted.model.model.layers[0].mlp.up_proj.weight
     assert isinstance(layer.quantized(columnwise=False) if weights == "dynamic" else layer, qtensor.MXFP8Tensor)
     resumed, _ = trainer(tmp_path / "resumed")

@@ -7,6 +7,8 @@ resumed one, fp64 products for a forward kept in high precision.
 """
 
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -87,6 +89,7 @@ def test_a_schedule_switches_at_its_steps_and_reports_each_switch():
     first = schedule.switches[0]
     assert set(first.changes) == {"0", "2"}
     assert first.changes["0"]["weight"] == (qtensor.Float8Quantizer().describe(), qtensor.MXFP8Quantizer().describe())
+    assert first.changes["0"]["options"] == ("backward=quantized, fprop fast accumulation", "backward=quantized")
     assert "phase 1 begins; 2 layer(s) switched" in str(first)
 
 
@@ -190,7 +193,7 @@ def test_only_what_changes_is_switched_and_delayed_scaling_keeps_its_history_whe
     history = after.grad_output.state_buffers()["amax_history"]
     assert int((history > 0).sum()) == 2
     assert after.input is not before.input and isinstance(after.input, qtensor.HybridQuantizer)
-    assert set(schedule.switches[0].changes["2"]) == {"input", "weight"}
+    assert set(schedule.switches[0].changes["2"]) == {"input", "weight", "options"}  # (MXFP8 takes no fast accumulation)
 
 
 def test_forward_in_high_precision_keeps_the_backward_quantized():
@@ -240,7 +243,23 @@ def test_what_a_schedule_cannot_do_is_refused_before_anything_changes():
     weights = [model[0].weight, model[2].weight]
     with pytest.raises(ValueError, match="MasterWeights"):
         schedule.load_state_dict({"step": SWITCH, "phase_starts": [0, SWITCH]})
-    assert [model[0].weight, model[2].weight] == weights and schedule.phase == 0
+    assert [model[0].weight, model[2].weight] == weights and (schedule.phase, schedule.step_count) == (0, 0)
+    assert model[0]._qtensor_layers["weight"][0].weight is weights[0].linear_quantizers.weight  # no layer switched
+    # With several processes outside FSDP2 (DistributedDataParallel), a held weight's new parameter is refused.
+    masters = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    schedule.attach(masters)
+    with mock.patch.object(qtensor.schedule, "_several_processes", lambda: True), pytest.raises(NotImplementedError, match="DistributedDataParallel"):
+        schedule.go_to_step(SWITCH)
+    assert [model[0].weight, model[2].weight] == weights and schedule.step_count == 0
+    # Refused when the schedule is made, not at the switch: a later phase quantize_ would refuse.
+    late = qtensor.Recipe(qtensor.recipes.float8_delayed(), backward_override="dequantized")
+    with pytest.raises(ValueError, match="backward_override"):
+        qtensor.PrecisionSchedule(mlp(), [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(5, late)])
+    shared = qtensor.Float8Quantizer(scaling="delayed")
+    with pytest.raises(ValueError, match="one delayed-scaling quantizer"):
+        qtensor.PrecisionSchedule(mlp(), [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(5, lambda role: shared)])
+    with pytest.raises(ValueError, match="backward options would be lost"):
+        qtensor.forward_in(qtensor.recipes.mxfp8(), qtensor.Recipe(qtensor.recipes.nvfp4(), backward_override="high_precision"))
 
     first_in_bf16 = lambda role: None if role.name == "2" else qtensor.recipes.float8_current()(role)
     with pytest.raises(ValueError, match="IdentityQuantizer"):
