@@ -266,16 +266,15 @@ class PrecisionSchedule:
         if not runtime:
             return
         sharded = hasattr(weight, "_local_tensor")
-        if sharded and (weight.dim() == 3 or (recast and not _fsdp_sharded(module))):
-            how = "an expert stack" if weight.dim() == 3 else "held quantized, under tensor parallelism"
+        if sharded and weight.dim() == 3:
             raise NotImplementedError(
-                f"PrecisionSchedule: {layer} is sharded ({how}); switching such a layer's formats is not supported yet "
-                "(sharded dynamic weights switch under FSDP2 and tensor parallelism, held ones under FSDP2). Nothing was switched."
+                f"PrecisionSchedule: {layer} is a sharded expert stack; switching its formats is not supported yet "
+                "(sharded linear layers switch, under FSDP2 and tensor parallelism). Nothing was switched."
             )
         if recast and not sharded and _several_processes():
             raise NotImplementedError(
                 f"PrecisionSchedule: {layer}'s held weight changes format, which makes it a new parameter, and several processes "
-                "train (DistributedDataParallel would keep reducing the old one). Switch held weights under FSDP2, or keep "
+                "train (DistributedDataParallel would keep reducing the old one). Switch held weights sharded (FSDP2, tensor parallelism), or keep "
                 "the weight role's format across the phases. Nothing was switched."
             )
         if recast and self._master_of(weight) is None:
@@ -322,9 +321,9 @@ class PrecisionSchedule:
 
     def _apply_to_shard(self, module, attribute, weight, local, new: LinearQuantizers, recast: bool) -> None:
         """A sharded layer (FSDP2, tensor parallelism): the local shard takes the new quantizers, or
-        where a held weight changes format (FSDP2), a new shard cast from the master's shard with the
-        whole tensor's scales (as MasterWeights' write-back casts) takes its place; FSDP2 then sizes
-        the parameter's gathers anew."""
+        where a held weight changes format, a new shard cast from the master's shard with the whole
+        tensor's scales (as MasterWeights' write-back casts) takes its place; FSDP2 then sizes the
+        parameter's gathers anew."""
         param = fsdp_state.fsdp_param_of(module, local)
         if not recast:
             local.linear_quantizers = new
@@ -343,7 +342,8 @@ class PrecisionSchedule:
             replacement = nn.Parameter(whole, requires_grad=weight.requires_grad)
             weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
             setattr(module, attribute, replacement)
-            param.reset_sharded_param()  # FSDP2 takes the new parameter (padding its shard as at sharding)
+            if param is not None:
+                param.reset_sharded_param()  # FSDP2 takes the new parameter (padding its shard as at sharding)
             if master is not None:
                 self.optimizer.replace_parameter(weight, replacement)
         if param is not None:

@@ -73,13 +73,16 @@ def test_tensor_parallel_training_equals_one_process(distributed, recipe, weight
         torch.testing.assert_close(parallel["weights"][name], weight, **TOLERANCE, msg=name)
 
 
-def test_a_precision_schedule_switches_tensor_parallel_layers_like_one_process(distributed):
-    """float8_current, then mxfp8 for the last step (qtensor.PrecisionSchedule) on column- and
-    row-parallel dynamic weights: every one of the 14 layers switches at step 2 on both runs, and
-    the 2 ranks train like one process (within the CPU tolerance of the runs above)."""
-    parallel = distributed["schedule"]
-    model, schedule = tp_cases.scheduled()
-    single = tp_cases.train(model, "dynamic", schedule=schedule)
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_precision_schedule_switches_tensor_parallel_layers_like_one_process(distributed, weights):
+    """A format switch for the last step (qtensor.PrecisionSchedule) on column- and row-parallel
+    layers: dynamic weights from float8_current to mxfp8, held ones from mxfp8 to float8_current
+    (each rank's shard cast again from its master's shard at the whole weight's scale). Every one
+    of the 14 layers switches at step 2 on both runs, and the 2 ranks train like one process
+    (within the CPU tolerance of the runs above)."""
+    parallel = distributed[("schedule", weights)]
+    model, schedule = tp_cases.scheduled(weights)
+    single = tp_cases.train(model, weights, schedule=schedule)
     steps = tp_cases.STEPS
     assert parallel["switches"] == [(s.step, s.phase, len(s.changes)) for s in schedule.switches] == [(steps - 1, 1, 14)]
     torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), **TOLERANCE)

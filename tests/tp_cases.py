@@ -110,12 +110,18 @@ def build(recipe: str, weights: str, seed: int = 0, width: int = WIDTH) -> nn.Mo
     return model
 
 
-def scheduled() -> tuple:
-    """(Net, its precision schedule): float8_current, then mxfp8 from the last step on (dynamic weights)."""
+# A precision schedule's two recipes by weight mode: the held weights switch into per-tensor
+# scaling, whose scale is the whole weight's (each rank casts its shard of the master at it).
+SCHEDULED = {"dynamic": ("float8_current", "mxfp8"), "quantized": ("mxfp8", "float8_current")}
+
+
+def scheduled(weights: str) -> tuple:
+    """(Net, its precision schedule: SCHEDULED's first recipe, then its second from the last step on)."""
     torch.manual_seed(0)
     model = Net(WIDTH).to(DEVICE)
-    phases = [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(STEPS - 1, qtensor.recipes.mxfp8())]
-    return model, qtensor.PrecisionSchedule(model, phases, strict=True)
+    first, then = (RECIPES[name]() for name in SCHEDULED[weights])
+    phases = [qtensor.Phase(0, first), qtensor.Phase(STEPS - 1, then)]
+    return model, qtensor.PrecisionSchedule(model, phases, weights=weights, strict=True)
 
 
 def plan(sequence_parallel: bool | str) -> dict:
@@ -266,9 +272,10 @@ def run_distributed(out_path: str) -> None:
         results[(recipe, weights, sequence_parallel)] = {**result, "shards": shards, "quantized_linears": count[0],
                                                          "gathers": sequence_parallel_module.gather_stats()}
     # A precision schedule switching the column- and row-parallel layers' formats between steps.
-    model, schedule = scheduled()
-    result = train(parallelize(model, mesh, False), "dynamic", rank=rank, world=world, schedule=schedule)
-    results["schedule"] = {**result, "switches": [(s.step, s.phase, len(s.changes)) for s in schedule.switches]}
+    for weights in SCHEDULED:
+        model, schedule = scheduled(weights)
+        result = train(parallelize(model, mesh, False), weights, rank=rank, world=world, schedule=schedule)
+        results[("schedule", weights)] = {**result, "switches": [(s.step, s.phase, len(s.changes)) for s in schedule.switches]}
     # Under bf16 autocast: which gathers stay quantized (an MXFP8 gradient's two copies are not fewer
     # bytes than its bf16 values), over one training step.
     for recipe in ("mxfp8", "nvfp4"):
