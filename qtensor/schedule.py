@@ -99,7 +99,8 @@ def _factory_of(recipe_or_factory) -> Callable:
 @dataclass
 class Switch:
     """One switch of a schedule: at `step`, phase `phase` began; `changes` maps each switched
-    layer to its changed roles, each (from, to) as the quantizers describe themselves."""
+    layer to its changed roles, each (from, to) as the quantizers describe themselves, and under
+    "options" its backward override and fast accumulation where those changed."""
 
     step: int
     phase: int
