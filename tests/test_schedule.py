@@ -141,12 +141,15 @@ def test_a_switch_equals_changing_the_recipe_by_hand(weights, pair, device):
     assert [f[0] for f in formats(model)] == [then_format] * 2
 
 
+@pytest.mark.parametrize("checkpoint", ["save_model", "dcp"])
 @pytest.mark.parametrize("saved_at", [2, 4], ids=["before the switch", "after the switch"])
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
-def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, weights, saved_at):
+def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, weights, saved_at, checkpoint):
     """Save at step 2 (the resumed run crosses the switch at 3) or 4 (it resumes in the second
-    phase): the schedule's state, the model's file and the optimizer's state, loaded into a fresh
-    model in that order, continue to the uninterrupted run's last values and losses."""
+    phase): the schedule's state, the model's and the optimizer's, loaded into a fresh model in that
+    order (qtensor.save_model beside a torch.save of the rest, or one torch.distributed.checkpoint
+    read twice: the schedule's entry first), continue to the uninterrupted run's last values and
+    losses."""
     def start():
         model = mlp()
         schedule = qtensor.PrecisionSchedule(model, two_phases(), weights=weights)
@@ -160,14 +163,38 @@ def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, we
 
     interrupted, schedule, optimizer = start()
     resumed_losses = train(interrupted, optimizer, saved_at)
-    qtensor.save_model(interrupted, tmp_path / "model.safetensors")
-    torch.save({"schedule": schedule.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "state.pt")
+    if checkpoint == "save_model":
+        qtensor.save_model(interrupted, tmp_path / "model.safetensors")
+        torch.save({"schedule": schedule.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "state.pt")
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        saved = {"schedule": schedule.state_dict(), "model": interrupted.state_dict(), "optimizer": optimizer.state_dict()}
+        dcp.save(saved, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
 
     resumed, schedule, optimizer = start()
-    state = torch.load(tmp_path / "state.pt", weights_only=True)
-    schedule.load_state_dict(state["schedule"])
-    qtensor.load_model(resumed, tmp_path / "model.safetensors")
-    optimizer.load_state_dict(state["optimizer"])
+    if checkpoint == "save_model":
+        state = torch.load(tmp_path / "state.pt", weights_only=True)
+        schedule.load_state_dict(state["schedule"])
+        qtensor.load_model(resumed, tmp_path / "model.safetensors")
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        # DCP fills a template shaped like the saved state: an optimizer that has stepped once (at
+        # learning rate 0; the schedule's position is set after) has the saved one's entries.
+        lr = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        for p in resumed.parameters():
+            p.grad = torch.zeros_like(p.dequantize() if isinstance(p, qtensor.QuantizedTensor) else p)
+        optimizer.step()
+        optimizer.zero_grad()
+        position = {"schedule": schedule.state_dict()}
+        dcp.load(position, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+        schedule.load_state_dict(position["schedule"])  # the layers in the saved step's formats, then their bytes
+        state = {"model": resumed.state_dict(), "optimizer": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+        optimizer.load_state_dict(state["optimizer"])
+        assert [group["lr"] for group in optimizer.param_groups] == lr  # (the saved rate, restored)
     resumed_losses += train(resumed, optimizer, STEPS - saved_at, start=saved_at)
 
     assert resumed_losses == losses
