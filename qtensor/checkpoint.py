@@ -33,6 +33,8 @@ from .core.tensor import QuantizedTensor, own_bytes
 
 FORMAT_VERSION = 1
 METADATA_KEY = "qtensor"
+# A model under a precision schedule (schedule.py): its position, as JSON, in the file's metadata.
+SCHEDULE_KEY = "qtensor.precision_schedule"
 
 
 # ---- tensors ------------------------------------------------------------------------------------
@@ -60,6 +62,9 @@ def save_model(model: nn.Module, filename, metadata: dict[str, str] | None = Non
     """
     entries, model_fields = _entries(model)
     user = _user_metadata(metadata)
+    schedule = _schedule_of(model)
+    if schedule is not None:  # load_model moves the schedule there before it loads the weights
+        user[SCHEDULE_KEY] = json.dumps(schedule.state_dict())
     filename = os.fspath(filename)
     max_bytes = _parse_size(max_shard_size) if max_shard_size is not None else None  # on every rank, first
     if _sharded(model, entries):
@@ -113,6 +118,22 @@ def load_model_files(model: nn.Module, filenames, strict: bool = True, device=No
 
 
 def _load_read(model: nn.Module, read: _Read, strict: bool, source: str, keys=None) -> tuple[list[str], list[str]]:
+    schedule = _schedule_of(model) if read.schedule is not None else None
+    if schedule is None:
+        return _load_checked(model, read, strict, source, keys)
+    # A model under a precision schedule, from a file saved under one: the model moves to the
+    # file's position (its layers in the formats the file's were saved in), back if the load fails.
+    with schedule.loading_at(json.loads(read.schedule)):
+        return _load_checked(model, read, strict, source, keys)
+
+
+def _schedule_of(model: nn.Module):
+    from .schedule import schedule_of  # (schedule.py builds on quantize_, which this module's users import)
+
+    return schedule_of(model)
+
+
+def _load_checked(model: nn.Module, read: _Read, strict: bool, source: str, keys=None) -> tuple[list[str], list[str]]:
     loaded = dict(read.tensors)
     # A weight saved once for several tied names serves each of them.
     for alias, kept in read.tied.items():
@@ -235,8 +256,9 @@ def _user_metadata(metadata) -> dict[str, str]:
     metadata = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("metadata must map str to str, as safetensors requires.")
-    if METADATA_KEY in metadata:
-        raise ValueError(f"metadata key {METADATA_KEY!r} is reserved for qtensor's description of the tensors.")
+    for reserved, what in ((METADATA_KEY, "qtensor's description of the tensors"), (SCHEDULE_KEY, "a precision schedule's position")):
+        if reserved in metadata:
+            raise ValueError(f"metadata key {reserved!r} is reserved for {what}.")
     return {"format": "pt", **metadata}
 
 
@@ -333,6 +355,7 @@ class _Read:
     tensors: dict[str, torch.Tensor]
     tied: dict[str, str]
     layers: dict[str, dict]  # the quantized layers' configurations the files record (checkpoint_layers)
+    schedule: str | None = None  # a precision schedule's position (SCHEDULE_KEY), as JSON
 
 
 def _read_model_files(filename: str, device) -> _Read:
@@ -353,7 +376,7 @@ def _read_model_files(filename: str, device) -> _Read:
         tensors.update(read.tensors)
         tied.update(read.tied)
         layers.update(read.layers)
-    return _Read(tensors, tied, layers)
+    return _Read(tensors, tied, layers, read.schedule)
 
 
 def _stored_names(tensors: dict[str, torch.Tensor]) -> set[str]:
@@ -377,12 +400,12 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
     where one quantized tensor's buffers may lie in different shards."""
     from safetensors import safe_open
 
-    header, owner_file, description = {}, {}, None
+    header, owner_file, description, schedule = {}, {}, None, None
     for filename in filenames:
         entries, metadata = read_header(filename)
         parsed = parse_description(filename, metadata)
         if description is None:
-            description = parsed
+            description, schedule = parsed, (metadata or {}).get(SCHEDULE_KEY)
         elif parsed != description:
             raise ValueError(f"{filename}: its qtensor description differs from {filenames[0]}'s: the files are not one model's shards.")
         for name, entry in entries.items():
@@ -426,7 +449,7 @@ def _read_files(filenames: list[str], device, keys=None) -> _Read:
         raise ValueError(f"{where}: safetensors could not read it ({error}).") from None
     back = lambda name: renamed.get(name, name)
     tied = {back(a): back(b) for a, b in description["tied"].items()}
-    return _Read({back(key): value for key, value in tensors.items()}, tied, description["layers"])
+    return _Read({back(key): value for key, value in tensors.items()}, tied, description["layers"], schedule)
 
 
 def entry_prefixes(name: str):

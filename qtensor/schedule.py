@@ -21,14 +21,16 @@ phase begins, each layer whose quantizers the new recipe changes is switched in 
   fresh where it changes.
 
 Each switch is reported (`Switch`: step, phase, and per layer and role what changed from what to
-what). The schedule's position is its step count: `state_dict()` / `load_state_dict()` save and
-restore it, and loading switches the model to the phase of that step, so load the schedule's state
-before the model's checkpoint (whose weights are in that phase's formats).
+what). The schedule's position is its step count: `save_model` records it and `load_model` moves
+the model there before loading its weights (which are in that phase's formats); elsewhere
+`state_dict()` / `load_state_dict()` save and restore it, loaded before the model's checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -146,6 +148,7 @@ class PrecisionSchedule:
             self.report = quantize_(model, self.phases[0][1], weights=weights, **quantize_kwargs)
             self._layers = _quantized_layers(model)
         self._check_later_phases()
+        _SCHEDULES[model] = self  # (save_model records the position, load_model moves the model to a file's)
 
     def __repr__(self) -> str:
         phases = ", ".join(f"from step {start}: {recipe!r}" for start, recipe in self.phases)
@@ -172,16 +175,44 @@ class PrecisionSchedule:
     def state_dict(self) -> dict:
         return {"step": self.step_count, "phase_starts": [start for start, _ in self.phases]}
 
-    def load_state_dict(self, state: dict) -> Switch | None:
+    def load_state_dict(self, state: dict, *, before_loading: bool = False) -> Switch | None:
         """Resume at the saved step: the model is switched to that step's phase (load this before
-        the model's checkpoint and the optimizer's)."""
+        the model's checkpoint and the optimizer's; `qtensor.load_model` does it for a file that
+        `save_model` wrote under a schedule). `before_loading`: as `go_to_step`'s."""
         starts = [start for start, _ in self.phases]
         if list(state["phase_starts"]) != starts:
             raise ValueError(
                 f"PrecisionSchedule.load_state_dict: the saved schedule's phases start at steps {state['phase_starts']}, "
                 f"this one's at {starts}; resume with the schedule the run was saved with."
             )
-        return self.go_to_step(state["step"])
+        return self.go_to_step(state["step"], before_loading=before_loading)
+
+    @contextlib.contextmanager
+    def loading_at(self, state: dict):
+        """Inside: the model at the saved position (`load_state_dict`), for a checkpoint saved there
+        to load; if the load fails, the layers, their parameters and the position are put back as
+        they were (a failed load leaves the model untouched)."""
+        layers = {layer: (module, attribute, getattr(module, attribute), module._qtensor_layers[attribute]) for layer, (module, attribute) in self._layers.items()}
+        position = (self.step_count, self.phase, len(self.switches))
+        self.load_state_dict(state, before_loading=True)
+        try:
+            yield
+        except BaseException:
+            for module, attribute, weight, config in layers.values():
+                module._qtensor_layers[attribute] = config
+                now = getattr(module, attribute)
+                if now is not weight:  # a held weight cast again: the parameter it replaced comes back
+                    sharded = fsdp_state.fsdp_param_of(module, getattr(now, "_local_tensor", None))
+                    setattr(module, attribute, weight)
+                    if sharded is not None:  # FSDP2 takes the old parameter back, and gathers it anew
+                        sharded.reset_sharded_param()
+                        fsdp_state.regather_afresh(sharded)
+                    if isinstance(self.optimizer, MasterWeights) and any(param is now for param, _ in self.optimizer.pairs):
+                        self.optimizer.replace_parameter(now, weight)
+                getattr(weight, "_local_tensor", weight).linear_quantizers = config[0]
+            self.step_count, self.phase = position[:2]
+            del self.switches[position[2]:]
+            raise
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Advance after each of `optimizer`'s steps. A `MasterWeights` also gives held weights the
@@ -378,6 +409,15 @@ class PrecisionSchedule:
                         "high precision. A layer's participation is settled by the first phase: give that layer an "
                         "IdentityQuantizer there (a quantized layer running in high precision), or keep it out with exclude=."
                     )
+
+
+# Each model's schedule (the last made for it), for save_model and load_model.
+_SCHEDULES: "weakref.WeakKeyDictionary[nn.Module, PrecisionSchedule]" = weakref.WeakKeyDictionary()
+
+
+def schedule_of(model: nn.Module) -> PrecisionSchedule | None:
+    """The precision schedule made for `model`, if any."""
+    return _SCHEDULES.get(model)
 
 
 def _held(weight) -> bool:

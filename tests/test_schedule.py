@@ -147,9 +147,9 @@ def test_a_switch_equals_changing_the_recipe_by_hand(weights, pair, device):
 def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, weights, saved_at, checkpoint):
     """Save at step 2 (the resumed run crosses the switch at 3) or 4 (it resumes in the second
     phase): the schedule's state, the model's and the optimizer's, loaded into a fresh model in that
-    order (qtensor.save_model beside a torch.save of the rest, or one torch.distributed.checkpoint
-    read twice: the schedule's entry first), continue to the uninterrupted run's last values and
-    losses."""
+    order (a qtensor.save_model file, which records the schedule's position and moves it there as
+    it loads, beside the optimizer's state; or one torch.distributed.checkpoint read twice, the
+    schedule's entry first), continue to the uninterrupted run's last values and losses."""
     def start():
         model = mlp()
         schedule = qtensor.PrecisionSchedule(model, two_phases(), weights=weights)
@@ -163,9 +163,9 @@ def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, we
 
     interrupted, schedule, optimizer = start()
     resumed_losses = train(interrupted, optimizer, saved_at)
-    if checkpoint == "save_model":
+    if checkpoint == "save_model":  # the file records the schedule's position
         qtensor.save_model(interrupted, tmp_path / "model.safetensors")
-        torch.save({"schedule": schedule.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "state.pt")
+        torch.save({"optimizer": optimizer.state_dict()}, tmp_path / "state.pt")
     else:
         import torch.distributed.checkpoint as dcp
 
@@ -174,10 +174,9 @@ def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, we
 
     resumed, schedule, optimizer = start()
     if checkpoint == "save_model":
-        state = torch.load(tmp_path / "state.pt", weights_only=True)
-        schedule.load_state_dict(state["schedule"])
-        qtensor.load_model(resumed, tmp_path / "model.safetensors")
-        optimizer.load_state_dict(state["optimizer"])
+        qtensor.load_model(resumed, tmp_path / "model.safetensors")  # moves the schedule to the file's step first
+        assert (schedule.step_count, schedule.phase) == (saved_at, schedule.phase_at(saved_at))
+        optimizer.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["optimizer"])
     else:
         # DCP fills a template shaped like the saved state: an optimizer that has stepped once (at
         # learning rate 0; the schedule's position is set after) has the saved one's entries.
@@ -200,6 +199,35 @@ def test_resuming_ends_bit_for_bit_where_the_uninterrupted_run_ends(tmp_path, we
     assert resumed_losses == losses
     for ours, theirs in zip(values(resumed), values(model), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+def test_a_failed_load_puts_the_schedule_and_its_layers_back(tmp_path, weights):
+    """load_model of a file saved after the switch moves the model to the file's phase, and when
+    the load then fails (a parameter the file lacks), the layers, parameters and the position are
+    as they were: a failed load leaves the model untouched."""
+    model = mlp()
+    schedule = qtensor.PrecisionSchedule(model, two_phases(), weights=weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule.attach(MasterWeights(optimizer) if weights == "quantized" else optimizer)
+    train(model, schedule.optimizer, SWITCH + 1)
+    qtensor.save_model(model, tmp_path / "model.safetensors")
+
+    other = mlp()
+    other_schedule = qtensor.PrecisionSchedule(other, two_phases(), weights=weights)
+    other_schedule.attach(MasterWeights(torch.optim.AdamW(other.parameters())) if weights == "quantized" else torch.optim.AdamW(other.parameters()))
+    other.register_parameter("extra", nn.Parameter(torch.zeros(1)))  # the file lacks it: strict loading refuses
+    before = [(p, p.linear_quantizers) for p in (other[0].weight, other[2].weight)]
+    values_before = values(other)
+    with pytest.raises(ValueError, match="missing keys"):
+        qtensor.load_model(other, tmp_path / "model.safetensors")
+    assert [(p, p.linear_quantizers) for p in (other[0].weight, other[2].weight)] == before
+    assert all(torch.equal(a, b) for a, b in zip(values(other), values_before))
+    assert (other_schedule.step_count, other_schedule.phase, other_schedule.switches) == (0, 0, [])
+    assert [f[0] for f in formats(other)] == ["Float8Tensor"] * 2
+    del other.extra
+    qtensor.load_model(other, tmp_path / "model.safetensors")  # the same file loads once the model matches
+    assert (other_schedule.step_count, other_schedule.phase) == (SWITCH + 1, 1)
 
 
 def test_only_what_changes_is_switched_and_delayed_scaling_keeps_its_history_where_the_format_stays():
