@@ -325,61 +325,46 @@ class PrecisionSchedule:
         old, weights = module._qtensor_layers[attribute]
         weight = getattr(module, attribute)
         module._qtensor_layers[attribute] = (new, weights)
-        recast = _held(weight) and new.weight is not old.weight
-        local = getattr(weight, "_local_tensor", None)
-        if local is not None:
-            self._apply_to_shard(module, attribute, weight, local, new, recast)
-            return
-        if not recast:
-            weight.linear_quantizers = new  # the same parameter: the next cast uses the new quantizers
-            return
-        # Cast from the master, as MasterWeights' write-back casts (before a checkpoint's load, where
-        # there is none yet, from the weight's own values, which the load replaces).
+        local = getattr(weight, "_local_tensor", weight)  # a sharded layer's (FSDP2, tensor parallelism): its shard
+        fsdp_param = fsdp_state.fsdp_param_of(module, local) if local is not weight else None
+        if _held(weight) and new.weight is not old.weight:
+            self._recast(module, attribute, weight, new, fsdp_param)
+        else:  # the same parameter: its next casts use the new quantizers
+            local.linear_quantizers = new
+            for cached in ("shard_cast", "reduced_amaxes", "rowwise_cast_suffices"):  # a sharded dynamic weight's last casts
+                local.__dict__.pop(cached, None)
+        if fsdp_param is not None:
+            fsdp_state.regather_afresh(fsdp_param)  # FSDP2 gathers the new format at its sizes
+
+    def _recast(self, module, attribute, weight, new: LinearQuantizers, fsdp_param) -> None:
+        """A held weight in `new`'s format, in place of `weight` in the module and the optimizer: cast
+        as MasterWeights' write-back casts, from the master (a sharded weight from the master's
+        shard, at the whole tensor's scales), or before a checkpoint's load, where there is no master
+        yet, from the weight's own values, which the load replaces."""
+        local = getattr(weight, "_local_tensor", weight)
         master = self._master_of(weight)
-        source = master.detach() if master is not None else weight.dequantize()
-        with torch.no_grad():
+        source = getattr(master, "_local_tensor", master).detach() if master is not None else local.dequantize()
+        mesh = getattr(weight, "device_mesh", None)
+        groups = fsdp_state.placement_groups(mesh, weight.placements) if mesh is not None else ()
+        with torch.no_grad(), sharded_cast(groups, owner="a precision schedule's switch"):
             if weight.dim() == 3:  # an expert stack: each expert's matrix in the new format
                 # (made in the stack's dtype, then each expert cast from the fp32 values as write-back casts)
-                held = quantized_stack(source.to(weight.dtype), new)
+                held = quantized_stack(source.to(local.dtype), new)
                 held.copy_(source)
             else:
                 cast = new.weight.quantize(source, rowwise=True, columnwise=True)
-                held = quantized_weight(cast.with_storages(cast.rowwise, cast.columnwise, dtype=weight.dtype), new)
+                held = quantized_weight(cast.with_storages(cast.rowwise, cast.columnwise, dtype=local.dtype), new)
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor
+
+            held = DTensor.from_local(held, mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride())
         replacement = nn.Parameter(held, requires_grad=weight.requires_grad)
         weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
         setattr(module, attribute, replacement)
+        if fsdp_param is not None:
+            fsdp_param.reset_sharded_param()  # FSDP2 takes the new parameter (padding its shard as at sharding)
         if master is not None:
             self.optimizer.replace_parameter(weight, replacement)
-
-    def _apply_to_shard(self, module, attribute, weight, local, new: LinearQuantizers, recast: bool) -> None:
-        """A sharded layer (FSDP2, tensor parallelism): the local shard takes the new quantizers, or
-        where a held weight changes format, a new shard cast from the master's shard with the whole
-        tensor's scales (as MasterWeights' write-back casts) takes its place; FSDP2 then sizes the
-        parameter's gathers anew."""
-        param = fsdp_state.fsdp_param_of(module, local)
-        if not recast:
-            local.linear_quantizers = new
-            for cached in ("shard_cast", "reduced_amaxes", "rowwise_cast_suffices"):
-                local.__dict__.pop(cached, None)
-        else:
-            from torch.distributed.tensor import DTensor
-
-            master = self._master_of(weight)
-            source = master._local_tensor.detach() if master is not None else local.dequantize()
-            groups = fsdp_state.placement_groups(weight.device_mesh, weight.placements)
-            with torch.no_grad(), sharded_cast(groups, owner="a precision schedule's switch"):
-                cast = new.weight.quantize(source, rowwise=True, columnwise=True)
-            shard = quantized_weight(cast.with_storages(cast.rowwise, cast.columnwise, dtype=local.dtype), new)
-            whole = DTensor.from_local(shard, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride())
-            replacement = nn.Parameter(whole, requires_grad=weight.requires_grad)
-            weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
-            setattr(module, attribute, replacement)
-            if param is not None:
-                param.reset_sharded_param()  # FSDP2 takes the new parameter (padding its shard as at sharding)
-            if master is not None:
-                self.optimizer.replace_parameter(weight, replacement)
-        if param is not None:
-            fsdp_state.regather_afresh(param)
 
     def _check_first_phase(self) -> None:
         """A model quantized before the schedule was made: its layers must be what the first phase's
