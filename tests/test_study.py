@@ -276,13 +276,27 @@ def test_the_committed_results_are_the_documented_ones():
     """docs/convergence.md quotes the committed files: every run of the study finished its 3000 steps,
     and the page's table is the report's table of those files."""
     study = load_study(str(RESULTS))
-    # The precision-schedule runs were added after the device session that ran the others; until
-    # their GPU runs are committed they are named here, and the page says they have not run yet.
-    not_yet_run = {"nvfp4-mxfp8_fwd_last15", "nvfp4-hp_fwd_last15"}
-    assert set(study) == set(study_runs()) - not_yet_run
-    assert all(name in (RESULTS.parent / "convergence.md").read_text() for name in not_yet_run)
+    assert set(study) == set(study_runs())
     assert all(run["summary"]["steps"] == 3000 and run["step"][-1] == 3000 for run in study.values())
     assert {run["summary"]["corpus"]["sha256"] for run in study.values()} == {study["bf16"]["summary"]["corpus"]["sha256"]}
     table = markdown_table(summary_rows(study))
     page = (RESULTS.parent / "convergence.md").read_text()
     assert table in page
+
+
+def test_the_committed_switch_runs_switched_late_and_the_page_quotes_them():
+    """The two precision-schedule runs recorded their switch at 85% of the steps, train as nvfp4 from
+    the same seed until the GPU's reductions part them, and docs/convergence.md's table of their
+    validation loss before and after the switch is read from their files."""
+    study = load_study(str(RESULTS))
+    page = (RESULTS.parent / "convergence.md").read_text()
+    for name in ("nvfp4", "nvfp4-mxfp8_fwd_last15", "nvfp4-hp_fwd_last15"):
+        run = study[name]
+        if name != "nvfp4":
+            assert run["summary"]["late"]["from_step"] == 2550
+            assert run["train_loss"][:5] == study["nvfp4"]["train_loss"][:5]
+        val = dict(zip(run["val_step"], run["val_loss"]))
+        row = (
+            f"| `{name}` | {val[2500]:.4f} | {val[3000]:.4f} | {val[3000] - val[2500]:.4f} | {run['summary']['final_val_loss']:.4f} |"
+        ).replace("-0.", "−0.")
+        assert row in page
