@@ -40,22 +40,9 @@ def distributed(tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("recipe, weights, sequence_parallel", tp_cases.SCENARIOS)
-def test_tensor_parallel_training_equals_one_process(distributed, recipe, weights, sequence_parallel):
-    parallel = distributed[(recipe, weights, sequence_parallel)]
-    with tp_cases.counting_quantized_gemms() as count:
-        single = tp_cases.train(tp_cases.build(recipe, weights), weights)
-    # Every linear ran quantized on its shard: 14 layers, each forward of the steps and the last one.
-    assert parallel["quantized_linears"] == count[0] == 14 * (tp_cases.STEPS + 1)
-    linears = {name for name in single["weights"] if not name.endswith(("norm.weight", "bias")) and ":" not in name}
-    assert linears <= parallel["shards"].keys()
-    for name, (kind, local, shape) in parallel["shards"].items():
-        if name.endswith(("q.weight", "k.weight", "v.weight", "gate.weight", "up.weight")):
-            assert shape[0] * 2 == dict(single["weights"])[name].shape[0] and local != "Tensor", (name, local)
-        elif name.endswith(("o.weight", "down.weight")):
-            assert shape[1] * 2 == dict(single["weights"])[name].shape[1] and local != "Tensor", (name, local)
-    assert parallel["weights"].keys() == single["weights"].keys()
-    if tp_cases.DEVICE == "cuda" and recipe.startswith("float8"):
+def assert_trains_like_one_process(parallel: dict, single: dict, fp8: bool) -> None:
+    """The losses, the last output and every weight of the parallel run against one process's."""
+    if tp_cases.DEVICE == "cuda" and fp8:
         # The FP8 tensor cores accumulate in reduced precision within each chunk of the reduction
         # dimension (docs/numerics.md), so a row-parallel layer, whose ranks each sum half of it, rounds
         # other partial sums than one GEMM over all of it; E4M3/E5M2 casts downstream then round some
@@ -73,22 +60,37 @@ def test_tensor_parallel_training_equals_one_process(distributed, recipe, weight
         torch.testing.assert_close(parallel["weights"][name], weight, **TOLERANCE, msg=name)
 
 
+@pytest.mark.parametrize("recipe, weights, sequence_parallel", tp_cases.SCENARIOS)
+def test_tensor_parallel_training_equals_one_process(distributed, recipe, weights, sequence_parallel):
+    parallel = distributed[(recipe, weights, sequence_parallel)]
+    with tp_cases.counting_quantized_gemms() as count:
+        single = tp_cases.train(tp_cases.build(recipe, weights), weights)
+    # Every linear ran quantized on its shard: 14 layers, each forward of the steps and the last one.
+    assert parallel["quantized_linears"] == count[0] == 14 * (tp_cases.STEPS + 1)
+    linears = {name for name in single["weights"] if not name.endswith(("norm.weight", "bias")) and ":" not in name}
+    assert linears <= parallel["shards"].keys()
+    for name, (kind, local, shape) in parallel["shards"].items():
+        if name.endswith(("q.weight", "k.weight", "v.weight", "gate.weight", "up.weight")):
+            assert shape[0] * 2 == dict(single["weights"])[name].shape[0] and local != "Tensor", (name, local)
+        elif name.endswith(("o.weight", "down.weight")):
+            assert shape[1] * 2 == dict(single["weights"])[name].shape[1] and local != "Tensor", (name, local)
+    assert parallel["weights"].keys() == single["weights"].keys()
+    assert_trains_like_one_process(parallel, single, fp8=recipe.startswith("float8"))
+
+
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 def test_a_precision_schedule_switches_tensor_parallel_layers_like_one_process(distributed, weights):
     """A format switch for the last step (qtensor.PrecisionSchedule) on column- and row-parallel
     layers: dynamic weights from float8_current to mxfp8, held ones from mxfp8 to float8_current
     (each rank's shard cast again from its master's shard at the whole weight's scale). Every one
-    of the 14 layers switches at step 2 on both runs, and the 2 ranks train like one process
-    (within the CPU tolerance of the runs above)."""
+    of the 14 layers switches at step 2 on both runs, and the 2 ranks train like one process, as
+    in the runs above (on GPUs the Float8 phase's tensor-core sums bound the agreement)."""
     parallel = distributed[("schedule", weights)]
     model, schedule = tp_cases.scheduled(weights)
     single = tp_cases.train(model, weights, schedule=schedule)
     steps = tp_cases.STEPS
     assert parallel["switches"] == [(s.step, s.phase, len(s.changes)) for s in schedule.switches] == [(steps - 1, 1, 14)]
-    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), **TOLERANCE)
-    torch.testing.assert_close(parallel["output"], single["output"], **TOLERANCE)
-    for name, weight in single["weights"].items():
-        torch.testing.assert_close(parallel["weights"][name], weight, **TOLERANCE, msg=name)
+    assert_trains_like_one_process(parallel, single, fp8=True)  # float8_current in one of the phases
 
 
 def test_the_parallel_runs_moved_the_weights():
