@@ -1,12 +1,17 @@
 """One LoRA step of benchmarks/bench_lora.py's 1.1B Llama under the profiler: the kernels by GPU
 time, for each system (GPU).
 
-    python benchmarks/profile_lora.py [--systems bf16,float8_current] [--batch 4] [--top 15]
+    python benchmarks/profile_lora.py [--systems bf16,float8_current] [--batch 4] [--top 15] [--compile]
+
+Each system's step is also timed without the profiler (median of 5), so the GPU's time in a step
+reads against the step's wall time: where the wall time is longer, the GPU waited on the host.
+`--compile` compiles each block, as bench_lora.py's `--compile`.
 """
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -20,14 +25,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     args = parser.parse_args()
     for system in args.systems.split(","):
-        profile(system, args.batch, args.seq, args.top)
+        profile(system, args.batch, args.seq, args.top, args.compile)
         torch.cuda.empty_cache()
 
 
-def profile(system: str, batch: int, seq: int, top: int) -> None:
-    model = build(system, "1b", "cuda", checkpointing=True)
+def profile(system: str, batch: int, seq: int, top: int, compiled: bool = False) -> None:
+    model = build(system, "1b", "cuda", checkpointing=True, compiled=compiled)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     tokens = torch.randint(0, SHAPES["1b"]["vocab_size"], (batch, seq), device="cuda")
 
@@ -38,14 +44,22 @@ def profile(system: str, batch: int, seq: int, top: int) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(2):
+    for _ in range(3):
         step()
     torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    wall = sorted(times)[2] * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     total = sum(event.self_device_time_total for event in prof.key_averages()) / 1e3
-    print(f"== {system}: {total:.1f} ms of GPU time in one step", flush=True)
+    print(f"== {system}{' (blocks compiled)' if compiled else ''}: {total:.1f} ms of GPU time in one step, "
+          f"{wall:.1f} ms of wall time (median of 5, no profiler)", flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70), flush=True)
 
 
