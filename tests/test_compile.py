@@ -33,6 +33,23 @@ def test_dequantize_compiles_fullgraph_without_recompiling_for_new_values(name):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("copies", ["both", "rowwise", "columnwise"])
+def test_the_inner_tensors_torch_compile_reads_are_the_tensors_buffers(name, copies):
+    """__tensor_flatten__ names the inner tensors from the storages' plans (it runs at every call of
+    a compiled graph): they are buffer_dict's buffers, each once, in its order, and the names and
+    the context rebuild the same tensor."""
+    q = TYPES[name]().quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+    if copies != "both":
+        q = q.with_storages(q.rowwise if copies == "rowwise" else None, q.columnwise if copies == "columnwise" else None)
+    buffers = q.buffer_dict(quantizer_state=False)
+    names, context = q.__tensor_flatten__()
+    assert names == [key.replace(".", "__") for key in buffers]
+    assert all(getattr(q, name) is buffers[key] for name, key in zip(names, buffers))
+    rebuilt = type(q).__tensor_unflatten__({n: getattr(q, n) for n in names}, context, q.shape, q.stride())
+    assert torch.equal(rebuilt.dequantize().nan_to_num(), q.dequantize().nan_to_num())
+
+
 def test_a_slice_compiles_and_keeps_its_format():
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .quantizer import DTYPES_BY_NAME, Quantizer, decode_value, encode_value, quantizer_to_dict
-from .storage import DIRECTIONS, STORAGE_CLASSES, Storage
+from .storage import DIRECTIONS, STORAGE_CLASSES, Storage, _buffer_names
 
 # Each format's QuantizedTensor class by name (tensor.py registers them): files name only these.
 TENSOR_CLASSES: dict[str, type] = {}
@@ -28,10 +28,27 @@ class StoragePlan:
     options: tuple  # ((name, value), ...)
     row_slice: bool = False
 
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        """The storage's buffers' names, in layout order (they do not depend on its size)."""
+        return _buffer_names(self.cls, self.direction, tuple(value for _, value in self.options))
+
     def build(self, buffers: dict[str, torch.Tensor], prefix: str, shared: tuple, rows: int, cols: int) -> Storage:
         names = [spec.name for spec in self.cls.layout(self.direction, rows, cols, **dict(self.options))]
         fields = {name: buffers[name if name in shared else prefix + name] for name in names}
         return self.cls(direction=self.direction, rows=rows, cols=cols, row_slice=self.row_slice, **dict(self.options), **fields)
+
+
+def storage_plan(storage: Storage | None) -> StoragePlan | None:
+    """The storage's plan, made once per storage: its class, direction, options and row_slice are
+    fixed when it is made."""
+    if storage is None:
+        return None
+    plan = storage.__dict__.get("_plan")
+    if plan is None:
+        plan = StoragePlan(type(storage), storage.direction, tuple(storage.options.items()), storage.row_slice)
+        storage.__dict__["_plan"] = plan
+    return plan
 
 
 @dataclass(frozen=True)
@@ -48,18 +65,19 @@ class TensorPlan:
 
     @staticmethod
     def of(tensor) -> "TensorPlan":
-        def plan(storage):
-            return None if storage is None else StoragePlan(type(storage), storage.direction, tuple(storage.options.items()), storage.row_slice)
+        return TensorPlan.from_key(TensorPlan.key_of(tensor), tensor.shape)
 
-        same = tensor.columnwise is not None and tensor.columnwise is tensor.rowwise
-        return TensorPlan(
-            type(tensor),
-            tuple(tensor.shape),
-            tensor.dtype,
-            plan(tensor.rowwise),
-            "rowwise" if same else plan(tensor.columnwise),
-            tensor.shared_buffer_names(),
-        )
+    @staticmethod
+    def key_of(tensor, shared: tuple[str, ...] | None = None) -> tuple:
+        """`TensorPlan.of(tensor).key()`, made without the shape: torch.compile asks for it (the
+        flatten context) at every call of a compiled graph, for each quantized input. `shared`:
+        `tensor.shared_buffer_names()`, where the caller has it."""
+        rowwise, columnwise = tensor.rowwise, tensor.columnwise
+        same = columnwise is not None and columnwise is rowwise
+        with torch._C.DisableTorchFunctionSubclass():  # the dtype, not a call routed through the layers
+            dtype = tensor.dtype
+        shared = tensor.shared_buffer_names() if shared is None else shared
+        return (type(tensor), dtype, storage_plan(rowwise), "rowwise" if same else storage_plan(columnwise), shared)
 
     def key(self) -> tuple:
         return (self.cls, self.dtype, self.rowwise, self.columnwise, self.shared)
@@ -187,3 +205,30 @@ def lookup(table: dict, name, where: str, what: str):
     return table[name]
 
 
+def inner_names(tensor, shared: tuple[str, ...]) -> list[str]:
+    """`tensor.buffer_dict()`'s names as its inner tensors' (`.` as `__`), read from the storages'
+    plans, not from the buffers: torch.compile asks at every call of a compiled graph, for each
+    quantized input. `shared`: `tensor.shared_buffer_names()`."""
+    names = []
+    for direction in DIRECTIONS:
+        storage = getattr(tensor, direction)
+        if storage is None or (direction == "columnwise" and storage is tensor.rowwise):
+            continue
+        for name in storage_plan(storage).buffer_names:
+            if name not in shared:
+                names.append(f"{direction}__{name}")
+            elif name not in names:  # a tensor-wide buffer both directions share: named once
+                names.append(name)
+    return names
+
+
+def inner_tensor(tensor, name: str) -> torch.Tensor:
+    """The inner tensor `__tensor_flatten__` names: "rowwise__data" is `tensor.rowwise.data`, a
+    shared tensor-wide "scale_inv" is `tensor.rowwise.scale_inv`."""
+    direction, separator, field = name.partition("__")
+    if not separator:
+        direction, field = "rowwise", name
+    storage = tensor.__dict__.get(direction) if direction in DIRECTIONS else None
+    if storage is not None and field in storage_plan(storage).buffer_names:
+        return getattr(storage, field)
+    raise AttributeError(f"{type(tensor).__name__} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .kernels import is_fake
 from .numerics import FP8_DTYPES
-from .plan import TENSOR_CLASSES, TensorPlan
+from .plan import TENSOR_CLASSES, TensorPlan, inner_names, inner_tensor
 from .quantizer import DTYPES_BY_NAME, Quantizer, quantizer_from_dict
 from .storage import DIRECTIONS, Storage
 
@@ -275,8 +275,8 @@ class QuantizedTensor(torch.Tensor):
     # parameter instead of assigning .data). The context compares by value and holds no shape (it
     # comes back as outer_size), no tensors and no per-step state, so compiled code can guard on it.
     def __tensor_flatten__(self):
-        buffers = self.buffer_dict(quantizer_state=False)
-        return [name.replace(".", "__") for name in buffers], (TensorPlan.of(self).key(), self.quantizer)
+        shared = self.shared_buffer_names()
+        return inner_names(self, shared), (TensorPlan.key_of(self, shared), self.quantizer)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
@@ -286,16 +286,9 @@ class QuantizedTensor(torch.Tensor):
 
     @torch.compiler.disable(recursive=False)
     def __getattr__(self, name):
-        # The inner tensors __tensor_flatten__ names: "rowwise__data" is self.rowwise.data, a shared
-        # tensor-wide "scale_inv" is self.rowwise.scale_inv. Not compiled as a frame of its own: a
-        # compiled graph's wrapper reads the inner tensors by these names when it runs.
-        direction, separator, field = name.partition("__")
-        if not separator:
-            direction, field = "rowwise", name
-        storage = self.__dict__.get(direction) if direction in DIRECTIONS else None
-        if storage is not None and field in storage.buffers:
-            return getattr(storage, field)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        # Not compiled as a frame of its own: a compiled graph's wrapper reads the inner tensors by
+        # these names when it runs.
+        return inner_tensor(self, name)
 
     def __reduce_ex__(self, protocol):
         return traced_reduction(self, self._reduction()) if self._traced() else self._reduction()
@@ -484,3 +477,4 @@ def _rebuilds_columnwise(tensor: QuantizedTensor) -> bool:
         rowwise is not None and rowwise.rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise))
         and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
     )
+

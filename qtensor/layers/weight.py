@@ -25,7 +25,7 @@ from . import traced_state, routing
 from .config import LinearQuantizers
 from ..core.ops import byte_compatible, copy_storages
 from ..core.placement import LayerPlacement
-from ..core.plan import TENSOR_CLASSES
+from ..core.plan import TENSOR_CLASSES, inner_tensor
 from ..core.tensor import QuantizedTensor, traced_reduction
 
 aten = torch.ops.aten
@@ -93,7 +93,7 @@ class QuantizedWeight(LayerWeight):
         return QuantizedTensor.__dict__["__torch_function__"].__func__(cls, func, types, args, kwargs)
 
     def _data_attribute(self, name):
-        return QuantizedTensor.__getattr__(self, name)
+        return inner_tensor(self, name)
 
     def linear_operand(self, *, columnwise: bool, training: bool):
         if columnwise and not self.has_columnwise and not self.rebuilds_columnwise():
@@ -148,7 +148,8 @@ class QuantizedWeight(LayerWeight):
     # so do the amaxes of a gathered weight's cast (`cast__0`, ...), which its compiled step records.
     def __tensor_flatten__(self):
         names, context = super().__tensor_flatten__()
-        first = getattr(self, names[0])
+        storage = self.rowwise if self.rowwise is not None else self.columnwise
+        first = getattr(storage, storage._first_buffer)  # one inner tensor (is it real, and where)
         cast = self.gathered_cast
         notes = cast.notes if cast is not None else []
         paths = tuple(_quantizer_path(self.linear_quantizers, quantizer) for quantizer, _ in notes)
@@ -169,9 +170,13 @@ class QuantizedWeight(LayerWeight):
 
     @torch.compiler.disable
     def __getattr__(self, name):
+        # One frame the compiler skips (not LayerWeight's, which would be a second): compiled code's
+        # wrapper reads each inner tensor through here at each call.
         if name.startswith("cast__") and self.gathered_cast is not None:
             return self.gathered_cast.notes[int(name.removeprefix("cast__"))][1]
-        return LayerWeight.__getattr__(self, name)
+        if traced_state.is_state_name(name):
+            return traced_state.inner_tensor(self, name)
+        return self._data_attribute(name)
 
     def __reduce_ex__(self, protocol):
         if self.__dict__.get("_is_param"):
