@@ -530,6 +530,31 @@ def test_a_probe_for_transformers_before_its_import_keeps_the_registration():
     assert result.stdout.split() == ["True", "True"], result.stdout
 
 
+_QTENSOR_THEN_PEFT = """
+import warnings
+warnings.simplefilter("error")  # a failed registration is a warning: make it fail the run
+import qtensor
+import peft  # imports transformers, which registers qtensor from inside peft's own import
+import transformers.quantizers.auto as auto
+from qtensor.hf import QTensorTrainer
+print("qtensor" in auto.AUTO_QUANTIZER_MAPPING, "qtensor" in auto.AUTO_QUANTIZATION_CONFIG_MAPPING, QTensorTrainer.__module__ == "qtensor.hf_trainer")
+"""
+
+
+def test_import_qtensor_then_peft_registers_with_transformers():
+    """The LoRA flow's imports, qtensor first: peft imports transformers, whose registration hook
+    imports qtensor.hf while peft is half imported. qtensor.hf imports nothing that imports peft
+    (its Trainer side loads at first use), so the registration holds and QTensorTrainer still
+    imports."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    result = subprocess.run([sys.executable, "-c", _QTENSOR_THEN_PEFT], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True", "True"], result.stdout
+
+
 @pytest.mark.parametrize("switch", [2, 3], ids=["checkpoint after the switch", "resumed across the switch"])
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 def test_a_precision_schedule_in_the_trainer_switches_at_the_global_step_and_resumes_exactly(weights, switch, tmp_path):
