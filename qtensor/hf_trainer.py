@@ -107,6 +107,7 @@ class QTensorTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = model if model is not None else self.model
         if _is_peft(model):  # peft's adapters, then the base's running state saved beside them
+            hf_schedule.before_checkpoint_load(self, resume_from_checkpoint)  # the base's quantizers at that step
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             path = os.path.join(resume_from_checkpoint, RUNNING_STATE_FILE)
             if os.path.exists(path):

@@ -233,6 +233,38 @@ def test_qtensor_trainer_trains_a_peft_model_with_checkpointing_and_accumulation
     assert all(torch.equal(before[n].reshape(-1).view(torch.uint8), after[n].reshape(-1).view(torch.uint8)) for n in before)
 
 
+def test_a_precision_schedule_over_a_peft_model_resumes_across_a_switch_into_delayed_scaling(checkpoint, tmp_path):
+    """LoRA over a dynamic base loaded as float8_current, whose schedule switches it to
+    float8_delayed at step 2, under QTensorTrainer with PrecisionScheduleCallback: checkpoint-2,
+    saved after the switch, holds the base's new amax histories; resuming from it moves the
+    schedule to step 2 before they are loaded, and ends on the uninterrupted run's losses and
+    adapters."""
+
+    def trainer(out):
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=QTensorConfig(recipe="float8_current"))
+        phases = [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(2, qtensor.recipes.float8_delayed())]
+        schedule = qtensor.PrecisionSchedule(model, phases)  # over the base, before peft wraps its layers
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0))
+        args = transformers.TrainingArguments(
+            out, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, save_steps=2, logging_steps=1, report_to=[],
+            use_cpu=True, seed=0, data_seed=0, lr_scheduler_type="constant", disable_tqdm=True,
+        )
+        callbacks = [qtensor.hf.PrecisionScheduleCallback(schedule)]
+        return qtensor.hf.QTensorTrainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks), schedule
+
+    losses = lambda t: [entry["loss"] for entry in t.state.log_history if "loss" in entry]
+    uninterrupted, schedule = trainer(tmp_path / "run")
+    uninterrupted.train()
+    assert [(s.step, s.phase) for s in schedule.switches] == [(2, 1)]
+    assert (tmp_path / "run" / "checkpoint-2" / qtensor.hf.RUNNING_STATE_FILE).exists()
+    resumed, _ = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert len(losses(uninterrupted)) == 4 and losses(resumed) == losses(uninterrupted)
+    adapters = lambda t: {n: p.detach() for n, p in t.model.named_parameters() if "lora_" in n}
+    assert all(torch.equal(p, adapters(resumed)[n]) for n, p in adapters(uninterrupted).items())
+
+
 def _train_lora(model, steps=30):
     train_lora(model, steps, lr=3e-3)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
