@@ -11,6 +11,8 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
 
 - "bf16": the base in bf16;
 - "<recipe>": the base held quantized by qtensor (`weights="quantized"`), e.g. float8_rowwise, nvfp4;
+- "nvfp4 weight-only": `recipes.nvfp4(weight_only=True)`, NVFP4 weights and bf16 activations
+  (W4A16, as NF4); "one-copy" may follow;
 - "<recipe> one-copy": the same, each frozen weight then keeping the forward's copy only
   (`qtensor.keep_forward_copies_`: formats that rebuild dgrad's copy from it, per-tensor FP8,
   128×128 FP8 blocks, NVFP4's 16×16 tiles);
@@ -61,8 +63,8 @@ def build(system: str, shape: str, device: str, checkpointing: bool = False, com
                 if isinstance(module, nn.Linear):
                     module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
     elif system != "bf16":
-        recipe = system.split()[0]
-        qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, recipe)(), weights="quantized")
+        options = {"weight_only": True} if "weight-only" in system.split() else {}
+        qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, system.split()[0])(**options), weights="quantized")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
     if "one-copy" in system:

@@ -34,6 +34,7 @@ RECIPES = {
     "mxfp8": qtensor.recipes.mxfp8,
     "nvfp4 (16x16 weight tiles, the recipe's default)": qtensor.recipes.nvfp4,
     "nvfp4 (1x16 weight blocks)": lambda: qtensor.recipes.nvfp4(weight_block_2d=False),
+    "nvfp4, weight only (16x16 tiles; bf16 inputs)": lambda: qtensor.recipes.nvfp4(weight_only=True),
 }
 
 
@@ -55,7 +56,9 @@ def qtensor_row(recipe, weight: torch.Tensor, x: torch.Tensor) -> tuple[float, f
     qtensor.quantize_(layer, recipe(), weights="quantized")
     held = layer.weight
     nbytes = held.storage_nbytes()
-    with torch.no_grad():
+    # A weight-only recipe multiplies the input in the autocast dtype, as LoRA under bf16 autocast runs it.
+    weight_only = all(isinstance(q, qtensor.IdentityQuantizer) for q in (held.linear_quantizers.input, held.linear_quantizers.grad_output))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=weight_only):
         y = layer(x)
     # Frozen, the weight keeps the forward's copy only where its format rebuilds dgrad's from it.
     one_copy = None

@@ -265,16 +265,28 @@ def mxfp8(
     )
 
 
-def nvfp4(*, weight_block_2d: bool = True, rht: bool = True, stochastic_rounding: bool = True, seed: int | None = None) -> ByTensorType:
+def nvfp4(
+    *, weight_block_2d: bool = True, rht: bool = True, stochastic_rounding: bool = True, seed: int | None = None, weight_only: bool = False
+) -> ByTensorType:
     """NVFP4: 16x16 tiles for weights (`weight_block_2d`); 1x16 blocks with the Hadamard transform
     on the wgrad copies of inputs and gradients (`rht`); stochastic rounding for gradients
-    (`stochastic_rounding`, seeded with `seed`)."""
+    (`stochastic_rounding`, seeded with `seed`). `weight_only=True`: the weights alone in NVFP4,
+    inputs and gradients in the autocast dtype (W4A16, as NF4 holds a frozen base): the GEMMs
+    multiply bf16 values over the dequantized weight, and `rht`, `stochastic_rounding` and `seed`
+    have nothing to apply to."""
+    if weight_only:
+        activations = lambda: IdentityQuantizer("autocast")
+        input_quantizer = grad_quantizer = activations
+    else:
+        input_quantizer = lambda: NVFP4Quantizer(rht=rht)
+        grad_quantizer = lambda: NVFP4Quantizer(rht=rht, stochastic_rounding=stochastic_rounding, seed=seed if stochastic_rounding else None)
+    given = dict(weight_block_2d=weight_block_2d, rht=rht, stochastic_rounding=stochastic_rounding, seed=seed, weight_only=weight_only)
     return ByTensorType(
         "nvfp4",
-        input=lambda: NVFP4Quantizer(rht=rht),
+        input=input_quantizer,
         weight=lambda: NVFP4Quantizer(block_2d=weight_block_2d),
-        grad_output=lambda: NVFP4Quantizer(rht=rht, stochastic_rounding=stochastic_rounding, seed=seed if stochastic_rounding else None),
-        options=_changed(_defaults(nvfp4), dict(weight_block_2d=weight_block_2d, rht=rht, stochastic_rounding=stochastic_rounding, seed=seed)),
+        grad_output=grad_quantizer,
+        options=_changed(_defaults(nvfp4), given),
     )
 
 

@@ -24,14 +24,20 @@ from qtensor.hf import QTensorConfig  # noqa: E402
 from qtensor.layers import linear as linear_module  # noqa: E402
 from test_hf import _Tokens  # noqa: E402 (its token ids fit the vocabulary below)
 
-RECIPES = ["float8_current", "float8_rowwise", "mxfp8", "nvfp4"]
+RECIPES = ["float8_current", "float8_rowwise", "mxfp8", "nvfp4", "nvfp4 weight-only"]
 WEIGHTS = ["dynamic", "quantized"]
+
+
+def ready_recipe(recipe: str):
+    """A RECIPES entry's recipe: a ready recipe's name, "nvfp4 weight-only" for `nvfp4(weight_only=True)`."""
+    name, _, variant = recipe.partition(" ")
+    return getattr(qtensor.recipes, name)(**({"weight_only": True} if variant == "weight-only" else {}))
 
 
 def frozen_layer(recipe, weights):
     torch.manual_seed(0)
     layer = nn.Linear(96, 64, bias=False)
-    qtensor.quantize_(layer, getattr(qtensor.recipes, recipe)(), weights=weights)
+    qtensor.quantize_(layer, ready_recipe(recipe), weights=weights)
     layer.weight.requires_grad_(False)
     return layer
 
@@ -82,7 +88,10 @@ def checkpoint(tmp_path_factory):
 
 
 def lora_model(path, recipe, seed=0):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=QTensorConfig(recipe=recipe, weights="quantized"))
+    """LoRA on every linear layer over a base loaded held quantized by `recipe` (a ready recipe's
+    name; "nvfp4 weight-only": `nvfp4(weight_only=True)`, NVFP4 weights and bf16 activations)."""
+    config = QTensorConfig(recipe=ready_recipe(recipe), weights="quantized")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
     return peft.get_peft_model(model, config)
@@ -126,6 +135,32 @@ def test_lora_trains_over_a_base_loaded_quantized_and_leaves_it_untouched(checkp
     assert losses[-1] < losses[0] - 0.05
     after = base_bytes(model)
     assert all(torch.equal(before[name].reshape(-1).view(torch.uint8), after[name].reshape(-1).view(torch.uint8)) for name in before)
+
+
+def test_an_nvfp4_weight_only_base_multiplies_bf16_activations_by_its_nvfp4_weights(checkpoint):
+    """`nvfp4(weight_only=True)`, one copy kept: each frozen weight is the numpy oracle's NVFP4 cast
+    of the checkpoint's (16x16 tiles), no activation or gradient is quantized, and a layer's output
+    and dgrad under bf16 autocast are the fp64 products of the bf16 values with those weights (to
+    bf16's rounding of the result)."""
+    plain = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)  # the checkpoint's fp32 values, as the base is cast from
+    model = lora_model(checkpoint, "nvfp4 weight-only")
+    qtensor.keep_forward_copies_(model)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj.base_layer
+    quantizers = layer.weight.linear_quantizers
+    assert isinstance(quantizers.input, qtensor.IdentityQuantizer) and isinstance(quantizers.grad_output, qtensor.IdentityQuantizer)
+    assert layer.weight.columnwise is None
+    source = plain.model.layers[0].mlp.down_proj.weight.detach().float().numpy()
+    expected = torch.from_numpy(np.asarray(oracle.nvfp4(source, "rowwise", block_2d=True).deq, dtype=np.float64))
+    assert torch.equal(layer.weight.dequantize(torch.float64), expected)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, expected.shape[1], generator=generator).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(2, 24, expected.shape[0], generator=generator).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.backward(grad)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), x.detach().double() @ expected.t(), rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), grad.double() @ expected, rtol=2**-8, atol=1e-6)
 
 
 @pytest.mark.parametrize("recipe, halves", [("float8_current", True), ("nvfp4", True), ("mxfp8", False)])
