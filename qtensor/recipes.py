@@ -274,6 +274,8 @@ def nvfp4(
     inputs and gradients in the autocast dtype (W4A16, as NF4 holds a frozen base): the GEMMs
     multiply bf16 values over the dequantized weight, and `rht`, `stochastic_rounding` and `seed`
     have nothing to apply to."""
+    if weight_only and seed is not None:
+        raise ValueError("recipes.nvfp4: seed seeds the gradients' stochastic rounding, and weight_only=True quantizes no gradient; drop seed.")
     if weight_only:
         activations = lambda: IdentityQuantizer("autocast")
         input_quantizer = grad_quantizer = activations

@@ -29,6 +29,9 @@ def test_ready_recipes_take_the_options_of_the_quantizers_they_build():
     assert [(q.scale_rounding, q.fp8_dtype) for q in mx.values()] == [("floor", E4M3), ("floor", E4M3), ("floor", E5M2)]
     nv = quantizers_of(qtensor.recipes.nvfp4(rht=False, stochastic_rounding=False, weight_block_2d=False))
     assert not any(q.rht or q.stochastic_rounding or q.block_2d for q in nv.values())
+    weight_only = quantizers_of(qtensor.recipes.nvfp4(weight_only=True, weight_block_2d=False))
+    assert [type(q).__name__ for q in weight_only.values()] == ["IdentityQuantizer", "NVFP4Quantizer", "IdentityQuantizer"]
+    assert weight_only["input"].dtype == weight_only["grad_output"].dtype == "autocast" and not weight_only["weight"].block_2d
     hybrid = quantizers_of(qtensor.recipes.mxfp8_fwd_nvfp4_bwd(scale_rounding="floor", rht=False, seed=7))
     assert hybrid["input"].rowwise.scale_rounding == "floor" and not hybrid["input"].columnwise.rht
     assert hybrid["grad_output"].stochastic_rounding and hybrid["grad_output"].seed == 7
@@ -44,6 +47,8 @@ def test_a_bad_recipe_option_raises_when_the_recipe_is_made():
         qtensor.recipes.float8_delayed(margin=-1)
     with pytest.raises(TypeError):
         qtensor.recipes.nvfp4(block_2d=True)  # the recipe's option is weight_block_2d
+    with pytest.raises(ValueError, match="seed"):
+        qtensor.recipes.nvfp4(weight_only=True, seed=3)  # no gradient is rounded
 
 
 class Tiny(nn.Module):

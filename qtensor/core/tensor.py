@@ -477,4 +477,3 @@ def _rebuilds_columnwise(tensor: QuantizedTensor) -> bool:
         rowwise is not None and rowwise.rebuilds_other_direction and (columnwise is None or type(columnwise) is type(rowwise))
         and tensor.quantizer.quantizer_for("columnwise") is tensor.quantizer
     )
-
