@@ -35,6 +35,7 @@ from . import checkpoint, hf_files, recipes
 from .layers import experts
 from .layers.quantized_stack import QuantizedStack
 from .hf_export import export  # noqa: F401 (qtensor.hf.export)
+from .hf_files import RUNNING_STATE_FILE  # noqa: F401 (qtensor.hf.RUNNING_STATE_FILE)
 from .quantize import WEIGHT_MODES, dequantize_, fill_weight, quantize_, save_running_state
 from .core.quantizer import decode_value, encode_value
 from .recipes import Recipe
@@ -340,13 +341,22 @@ def _default_dtype(dtype: torch.dtype):
 
 
 # The Trainer's side, imported at its first use (the module's docstring says why).
-def __getattr__(name: str):
-    if name in ("QTensorTrainer", "RUNNING_STATE_FILE", "checkpoint_files"):
-        from . import hf_trainer
+_LAZY = ("QTensorTrainer", "PrecisionScheduleCallback", "checkpoint_files")
 
-        return getattr(hf_trainer, name)
+
+def __getattr__(name: str):
+    if name == "checkpoint_files":  # (a name `from_pretrained`'s hook takes as an argument here)
+        return hf_files.checkpoint_files
+    if name == "QTensorTrainer":
+        from .hf_trainer import QTensorTrainer
+
+        return QTensorTrainer
     if name == "PrecisionScheduleCallback":
         from .hf_schedule import PrecisionScheduleCallback
 
         return PrecisionScheduleCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

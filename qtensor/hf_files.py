@@ -5,6 +5,7 @@ description under the names `transformers` stores the tensors under."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -90,3 +91,18 @@ def qtensor_entries(model) -> set[str]:
                 entries.update(expert_keys(prefix, attribute, stacks[attribute]))
         entries.update(prefix + suffix for suffix in running_state(module))
     return entries
+
+
+# Where QTensorTrainer saves a peft model's base running state, beside peft's adapter files.
+RUNNING_STATE_FILE = "qtensor_running_state.safetensors"
+
+
+def checkpoint_files(directory) -> list[str]:
+    """The safetensors files `save_pretrained` wrote into `directory`: `model.safetensors`, or the
+    shards its `model.safetensors.index.json` names."""
+    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return [os.path.join(directory, shard) for shard in sorted(set(checkpoint.read_index(index).values()))]
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json; not a save_pretrained directory.")

@@ -48,10 +48,12 @@ def _unwrapped(optimizer):
     return optimizer
 
 
-def before_checkpoint_load(trainer, directory) -> None:
-    """Before `trainer` loads the weights of the checkpoint in `directory`: each schedule of its
-    callbacks at the checkpoint's global step, so that the model's layers are in the formats the
-    checkpoint's were saved in (its `trainer_state.json` says the step)."""
+def before_checkpoint_load(trainer, directory, loads_weights: bool = True) -> None:
+    """Before `trainer` loads the checkpoint in `directory`: each schedule of its callbacks at the
+    checkpoint's global step, so that the model's layers are in the formats the checkpoint's were
+    saved in (its `trainer_state.json` says the step). `loads_weights=False` (a peft checkpoint,
+    which holds no base weights): held weights switch as while training, cast from their masters
+    and refused without one, since no load replaces them afterwards."""
     schedules = [c.schedule for c in trainer.callback_handler.callbacks if isinstance(c, PrecisionScheduleCallback)]
     path = os.path.join(directory, "trainer_state.json")
     if not schedules or not os.path.exists(path):
@@ -59,4 +61,4 @@ def before_checkpoint_load(trainer, directory) -> None:
     with open(path) as file:
         step = json.load(file)["global_step"]
     for schedule in schedules:
-        schedule.go_to_step(step, before_loading=True)
+        schedule.go_to_step(step, before_loading=loads_weights)

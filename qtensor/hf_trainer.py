@@ -10,6 +10,7 @@ import torch
 from transformers import Trainer
 
 from . import checkpoint, hf_files, hf_schedule
+from .hf_files import RUNNING_STATE_FILE, checkpoint_files
 from .core.tensor import QuantizedTensor
 from .optim import MasterWeights
 from .quantize import running_state
@@ -107,7 +108,9 @@ class QTensorTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = model if model is not None else self.model
         if _is_peft(model):  # peft's adapters, then the base's running state saved beside them
-            hf_schedule.before_checkpoint_load(self, resume_from_checkpoint)  # the base's quantizers at that step
+            # The base's quantizers at that step; the checkpoint holds no base weights, so a held
+            # weight's format switch is checked (and refused without a master) as while training.
+            hf_schedule.before_checkpoint_load(self, resume_from_checkpoint, loads_weights=False)
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             path = os.path.join(resume_from_checkpoint, RUNNING_STATE_FILE)
             if os.path.exists(path):
@@ -124,9 +127,6 @@ class QTensorTrainer(Trainer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         hf_schedule.before_checkpoint_load(self, resume_from_checkpoint)  # the layers in the checkpoint's formats
         checkpoint.load_model_files(model, checkpoint_files(resume_from_checkpoint), strict=True, device=next(model.parameters()).device)
-
-
-RUNNING_STATE_FILE = "qtensor_running_state.safetensors"
 
 
 def _quantized_on_load(model) -> bool:
@@ -147,14 +147,3 @@ def _running_state(model) -> dict[str, torch.Tensor]:
 
 def _is_layer_weight(parameter) -> bool:
     return getattr(getattr(parameter, "_local_tensor", parameter), "is_layer_weight", False)
-
-
-def checkpoint_files(directory) -> list[str]:
-    """The safetensors files `save_pretrained` wrote into `directory`: `model.safetensors`, or the
-    shards its `model.safetensors.index.json` names."""
-    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index):
-        return [os.path.join(directory, shard) for shard in sorted(set(checkpoint.read_index(index).values()))]
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json; not a save_pretrained directory.")

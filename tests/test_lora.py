@@ -300,6 +300,33 @@ def test_a_precision_schedule_over_a_peft_model_resumes_across_a_switch_into_del
     assert all(torch.equal(p, adapters(resumed)[n]) for n, p in adapters(uninterrupted).items())
 
 
+def test_resuming_a_peft_model_refuses_a_format_switch_of_its_frozen_held_base(checkpoint, tmp_path):
+    """A frozen base held quantized has no masters to cast a new format from, so a schedule that
+    switches its weights is refused while training; resuming such a schedule from a checkpoint
+    (which holds the adapters, not the base) is refused the same way, not cast from the base's
+    rounded values."""
+
+    def trainer(out, phases=None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=QTensorConfig(recipe="float8_current", weights="quantized"))
+        callbacks = [qtensor.hf.PrecisionScheduleCallback(qtensor.PrecisionSchedule(model, phases))] if phases else []
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0))
+        args = transformers.TrainingArguments(
+            out, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2, save_steps=2, logging_steps=1, report_to=[],
+            use_cpu=True, seed=0, data_seed=0, lr_scheduler_type="constant", disable_tqdm=True,
+        )
+        return qtensor.hf.QTensorTrainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
+
+    trainer(tmp_path / "run").train()
+    phases = [qtensor.Phase(0, qtensor.recipes.float8_current()), qtensor.Phase(1, qtensor.recipes.mxfp8())]
+    resumed = trainer(tmp_path / "resumed", phases)
+    before = base_bytes(resumed.model)
+    with pytest.raises(ValueError, match="master"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    after = base_bytes(resumed.model)
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
 def _train_lora(model, steps=30):
     train_lora(model, steps, lr=3e-3)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

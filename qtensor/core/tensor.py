@@ -9,7 +9,8 @@ value and returns plain tensors, and an op that writes into a quantized tensor r
 result into it.
 
 The buffer contract (storage.py) gives every tensor one flat dict of named buffers plus metadata
-(`to_buffers` / `from_buffers`); pickling, checkpoints and `__tensor_flatten__` are built on it.
+(`to_buffers` / `from_buffers`); pickling and checkpoints are built on it, and `__tensor_flatten__`
+names the same buffers (read from the storages' plans, plan.py, as compiled code asks at each call).
 """
 
 from __future__ import annotations
