@@ -203,12 +203,9 @@ class PrecisionSchedule:
                 now = getattr(module, attribute)
                 if now is not weight:  # a held weight cast again: the parameter it replaced comes back
                     sharded = fsdp_state.fsdp_param_of(module, getattr(now, "_local_tensor", None))
-                    setattr(module, attribute, weight)
-                    if sharded is not None:  # FSDP2 takes the old parameter back, and gathers it anew
-                        sharded.reset_sharded_param()
+                    self._put_parameter(module, attribute, now, weight, sharded)
+                    if sharded is not None:
                         fsdp_state.regather_afresh(sharded)
-                    if isinstance(self.optimizer, MasterWeights) and any(param is now for param, _ in self.optimizer.pairs):
-                        self.optimizer.replace_parameter(now, weight)
                 getattr(weight, "_local_tensor", weight).linear_quantizers = config[0]
             self.step_count, self.phase = position[:2]
             del self.switches[position[2]:]
@@ -358,13 +355,17 @@ class PrecisionSchedule:
             from torch.distributed.tensor import DTensor
 
             held = DTensor.from_local(held, mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride())
-        replacement = nn.Parameter(held, requires_grad=weight.requires_grad)
         weight._qtensor_replaced = f"{new.parameter_name} (by a precision schedule's switch)"
-        setattr(module, attribute, replacement)
+        self._put_parameter(module, attribute, weight, nn.Parameter(held, requires_grad=weight.requires_grad), fsdp_param)
+
+    def _put_parameter(self, module, attribute, old: nn.Parameter, new: nn.Parameter, fsdp_param) -> None:
+        """`new` in place of `old`: in the module, in FSDP2 (which pads its shard as at sharding)
+        and in the MasterWeights that trains it."""
+        setattr(module, attribute, new)
         if fsdp_param is not None:
-            fsdp_param.reset_sharded_param()  # FSDP2 takes the new parameter (padding its shard as at sharding)
-        if master is not None:
-            self.optimizer.replace_parameter(weight, replacement)
+            fsdp_param.reset_sharded_param()
+        if isinstance(self.optimizer, MasterWeights) and any(param is old for param, _ in self.optimizer.pairs):
+            self.optimizer.replace_parameter(old, new)
 
     def _check_first_phase(self) -> None:
         """A model quantized before the schedule was made: its layers must be what the first phase's
@@ -412,11 +413,6 @@ def _held(weight) -> bool:
 
 def _several_processes() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-
-
-def _fsdp_sharded(module: nn.Module) -> bool:
-    """Whether FSDP2 shards `module`'s parameters (tensor parallelism alone does not)."""
-    return any(fsdp_state.fsdp_param_of(module, getattr(p, "_local_tensor", None)) is not None for p in module.parameters(recurse=False))
 
 
 def _resolved(phases, total_steps: int | None) -> list[tuple[int, Recipe]]:
