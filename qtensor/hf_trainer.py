@@ -13,7 +13,7 @@ from . import checkpoint, hf_files, hf_schedule
 from .hf_files import RUNNING_STATE_FILE, checkpoint_files
 from .core.tensor import QuantizedTensor
 from .optim import MasterWeights
-from .quantize import running_state
+from .quantize import is_qtensor_quantizer, running_state
 
 
 class QTensorTrainer(Trainer):
@@ -87,7 +87,7 @@ class QTensorTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         return (
             plugin is not None and "FULL_STATE_DICT" in str(plugin.state_dict_type)
-            and _quantized_on_load(model)
+            and is_qtensor_quantizer(getattr(model, "hf_quantizer", None))
             and any(hasattr(p, "_local_tensor") for p in model.parameters())
         )
 
@@ -123,16 +123,10 @@ class QTensorTrainer(Trainer):
                     for key, tensor in state.items():
                         live[key].copy_(tensor)
             return
-        if not _quantized_on_load(model):
+        if not is_qtensor_quantizer(getattr(model, "hf_quantizer", None)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         hf_schedule.before_checkpoint_load(self, resume_from_checkpoint)  # the layers in the checkpoint's formats
         checkpoint.load_model_files(model, checkpoint_files(resume_from_checkpoint), strict=True, device=next(model.parameters()).device)
-
-
-def _quantized_on_load(model) -> bool:
-    """Whether `from_pretrained` quantized the model with a `QTensorConfig` (qtensor.hf)."""
-    config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
-    return getattr(config, "quant_method", None) == "qtensor"
 
 
 def _is_peft(model) -> bool:

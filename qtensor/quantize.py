@@ -397,6 +397,12 @@ def fill_weight(module: nn.Module, attribute: str, value: torch.Tensor) -> nn.Pa
     return getattr(module, attribute)
 
 
+def is_qtensor_quantizer(hf_quantizer) -> bool:
+    """Whether a transformers model's `hf_quantizer` is qtensor's (`from_pretrained` with a
+    `QTensorConfig`), told by its config's `quant_method` without importing qtensor.hf."""
+    return getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None) == "qtensor"
+
+
 def dequantize_(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Turn every quantized layer of `model` back into plain high-precision parameters, in the
     layout each module keeps (a Conv1D's [in, out]), in `dtype` (None: the dtype each weight was
@@ -405,7 +411,7 @@ def dequantize_(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     # The transformers model holding the quantizer: `model` itself, or the model a wrapper holds (peft's).
     loaded = next((m for m in model.modules() if "hf_quantizer" in m.__dict__), None)
     hf_quantizer = getattr(loaded, "hf_quantizer", None)
-    if getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None) == "qtensor":
+    if is_qtensor_quantizer(hf_quantizer):
         hf_quantizer.remove_quantization_config(loaded)  # transformers' own: config.json no longer names qtensor
     for module in model.modules():
         layers = module.__dict__.get("_qtensor_layers")
