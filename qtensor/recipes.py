@@ -272,10 +272,14 @@ def nvfp4(
     on the wgrad copies of inputs and gradients (`rht`); stochastic rounding for gradients
     (`stochastic_rounding`, seeded with `seed`). `weight_only=True`: the weights alone in NVFP4,
     inputs and gradients in the autocast dtype (W4A16, as NF4 holds a frozen base): the GEMMs
-    multiply bf16 values over the dequantized weight, and `rht`, `stochastic_rounding` and `seed`
-    have nothing to apply to."""
-    if weight_only and seed is not None:
-        raise ValueError("recipes.nvfp4: seed seeds the gradients' stochastic rounding, and weight_only=True quantizes no gradient; drop seed.")
+    multiply bf16 values over the dequantized weight, and `rht`, `stochastic_rounding` and `seed`,
+    which have nothing to apply to, are refused."""
+    unused = [name for name, given in (("rht", not rht), ("stochastic_rounding", not stochastic_rounding), ("seed", seed is not None)) if given]
+    if weight_only and unused:
+        raise ValueError(
+            f"recipes.nvfp4: {', '.join(unused)} set the casts of inputs and gradients, which weight_only=True leaves in "
+            "high precision; drop them."
+        )
     if weight_only:
         activations = lambda: IdentityQuantizer("autocast")
         input_quantizer = grad_quantizer = activations

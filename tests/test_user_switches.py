@@ -49,6 +49,8 @@ def test_a_bad_recipe_option_raises_when_the_recipe_is_made():
         qtensor.recipes.nvfp4(block_2d=True)  # the recipe's option is weight_block_2d
     with pytest.raises(ValueError, match="seed"):
         qtensor.recipes.nvfp4(weight_only=True, seed=3)  # no gradient is rounded
+    with pytest.raises(ValueError, match="rht"):
+        qtensor.recipes.nvfp4(weight_only=True, rht=False)  # no input or gradient is transformed
 
 
 class Tiny(nn.Module):
