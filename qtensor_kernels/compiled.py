@@ -292,4 +292,5 @@ WRAPPERS = {
         hybrid_cast_op(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht)
     ),
     "gemm.scale_output": _scale_output,
+    "gemm.scale_bias_output": _scale_output,
 }

@@ -58,4 +58,4 @@ def scale_output(product: torch.Tensor, a_scale, b_scale, bias, out_dtype: torch
 
 
 # Registered into qtensor's kernel table (qtensor_kernels/__init__.py).
-KERNELS = {"gemm.scale_output": scale_output}
+KERNELS = {"gemm.scale_output": scale_output, "gemm.scale_bias_output": scale_output}

@@ -25,7 +25,7 @@ def _cast_kernel(
     BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
 ):
     rows, cols, x = nvfp4._load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
-    mxfp8._quantize_rows(x, rows, cols, tl.program_id(1), row_data_ptr, row_codes_ptr, M, N, 16, BLOCK_N, FP8_MAX, EMAX, E5M2, RCEIL)
+    mxfp8._quantize_rows(x, rows, cols, tl.program_id(1), row_data_ptr, row_codes_ptr, row_data_ptr, M, N, 16, BLOCK_N, FP8_MAX, EMAX, E5M2, RCEIL, True, False)
     nvfp4._cast_columns(x, col_amax_ptr, keys_ptr + 2, tl.program_id(0) * 8, (col_length + 1) // 2, cols, col_data_ptr, col_scale_ptr, col_data_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE, False)
 
 

@@ -244,12 +244,12 @@ def test_mxfp8_forward_and_backward_compile_under_inductor_on_the_cpu(weights):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 # The kernels each recipe's compiled graphs call as custom ops; the Float8 and MXFP8 casts, amaxes
-# and dequantizes are traced instead (qtensor/kernels.py, TRACED), so inductor fuses them.
+# and dequantizes, and NVFP4's dequantize, are traced instead (qtensor/kernels.py, TRACED), so inductor fuses them.
 CUSTOM_OPS = {
     "float8_current": set(),
     "mxfp8": set(),
-    "nvfp4": {"qtensor.nvfp4_cast", "qtensor.nvfp4_amaxes", "qtensor.nvfp4_dequantize", "qtensor.scale_output"},
-    "mxfp8_fwd_nvfp4_bwd": {"qtensor.hybrid_cast", "qtensor.nvfp4_cast", "qtensor.scale_output"},
+    "nvfp4": {"qtensor.nvfp4_cast", "qtensor.nvfp4_amaxes", "qtensor.scale_output"},
+    "mxfp8_fwd_nvfp4_bwd": {"qtensor.hybrid_cast", "qtensor.nvfp4_cast"},  # (its NVFP4 GEMMs have no bias: epilogue traced)
     "float8_delayed": {"qtensor.float8_record_amax"},
     "float8_rowwise": set(),
     "float8_blockwise": set(),
@@ -257,6 +257,7 @@ CUSTOM_OPS = {
 TRACED_OPS = {
     "qtensor.finite_amax", "qtensor.amax_partials", "qtensor.float8_cast", "qtensor.float8_cast_at_scale",
     "qtensor.float8_delayed_scale", "qtensor.float8_dequantize", "qtensor.mxfp8_cast", "qtensor.mxfp8_dequantize",
+    "qtensor.nvfp4_dequantize",
 }
 
 

@@ -385,6 +385,33 @@ def test_mxfp8_dequantize_kernel_equals_the_reference(fp8_dtype, direction, out_
     assert torch.equal(fast.nan_to_num(0.0), reference.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("values", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mxfp8_grouped_copies_as_values_are_the_reference_copies_values(fp8_dtype, values, padded):
+    """A grouped GEMM's copy asked for as values is the cast writing bf16 values instead of codes:
+    each must be the reference copy's dequantized bf16 values, bit for bit (NaN where they are NaN),
+    and a copy not asked for as values keeps the reference's codes."""
+    lengths = (40, 0, 25, 31) if padded else (64, 0, 32, 96)  # runs of 32 rows (padded with zeros) or not
+    x = hard_input(sum(lengths), 96, torch.bfloat16)
+    ends = torch.tensor(lengths, device="cuda").cumsum(0)
+    quantizer = qtensor.MXFP8Quantizer(fp8_dtype)
+    fast = quantizer.quantize_padded_groups(x, RowGroups(lengths, ends, align=32), True, True, values)
+    with reference_kernels():
+        reference = quantizer.quantize_padded_groups(x, RowGroups(lengths, ends, align=32), True, True)
+    for asked, copy, expected in zip(values, fast, reference):
+        want, _ = expected.operand()
+        if asked:
+            assert copy.storage is None  # no codes written
+            got, scale = copy.operand()
+            assert scale is None and got.shape == want.shape and got.dtype == torch.bfloat16
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+            assert torch.equal(got.nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+        else:
+            for name in ("data", "scale_inv"):
+                assert torch.equal(getattr(copy.storage, name).view(torch.uint8), getattr(expected.storage, name).view(torch.uint8)), name
+
+
 def test_mxfp8_values_are_exact_in_bf16_above_its_normal_range():
     """The bf16 GEMM backend's premise: every dequantized MXFP8 value at or above 2**-126 is a bf16."""
     q = qtensor.MXFP8Quantizer().quantize(varied(256, 512, 9))
@@ -546,6 +573,26 @@ def test_nvfp4_dequantize_kernel_equals_the_reference(name, direction, out_dtype
     assert torch.equal(fast_scale, reference_scale)
 
 
+@pytest.mark.parametrize("name", ["blocks", "tiles", "rht"])
+def test_nvfp4_dequantize_traced_by_inductor_is_bitwise_the_reference(name):
+    """Under torch.compile NVFP4's dequantize is its reference's torch ops, fused by inductor into a
+    kernel of its own (whose fp32 division is not correctly rounded): both directions' fp32 values
+    and bf16 operands must still be the eager kernel's bit for bit, NaN blocks included."""
+    q = NV_QUANTIZERS[name]().quantize(hard_input(96, 150, torch.float32))
+    storages = [q.rowwise, q.columnwise]
+
+    def values():  # (the storages' buffers are the compiled graph's inputs)
+        return [v for storage in storages for v in (storage.dequantize(), storage.bf16_operand()[0])]
+
+    torch._dynamo.reset()
+    got = torch.compile(values, fullgraph=True)()
+    expected = values()  # eager: qtensor's Triton kernel
+    for fast, reference in zip(got, expected, strict=True):
+        assert fast.dtype == reference.dtype and fast.shape == reference.shape
+        assert torch.equal(torch.isnan(fast), torch.isnan(reference))
+        assert torch.equal(same_bits(fast), same_bits(reference))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["blocks", "tiles", "rht"])
 def test_nvfp4_gemms_on_bf16_tensor_cores_agree_with_the_reference(name, out_dtype):
@@ -588,6 +635,11 @@ def test_scaled_gemm_epilogue_kernel_is_bitwise_the_reference(out_dtype, with_bi
     scale = b_scale.value() if a_scale is None else (a_scale.value() if b_scale is None else a_scale.value() * b_scale.value())
     reference = backends._scale_and_finish(product, scale, bias, out_dtype)
     assert torch.equal(fast, reference)
+    # Under torch.compile the epilogue without a bias is its reference's ops, fused by inductor; one
+    # with a bias stays the kernel (inductor would fuse the scaling and the add into one rounding).
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p: backends.scaled_epilogue(p, a_scale, b_scale, bias, out_dtype), fullgraph=True)
+    assert torch.equal(compiled(product), reference)
 
 
 @pytest.mark.parametrize("rht", [False, True])

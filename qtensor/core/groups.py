@@ -138,10 +138,11 @@ class GroupedCopy(NamedTuple):
     group's tensor-wide scale buffer [G] (NVFP4's global amax), from which `storage`'s TensorScale
     is made per group (`storage`'s own tensor-wide buffer is then not used)."""
 
-    storage: Storage
+    storage: Storage | None
     group_scales: torch.Tensor | None = None
-    # The bf16 operand's values, where the cast wrote them beside the codes (NVFP4's: its storage
-    # then gives the tensor scale, `tensor_scale()`, without a dequantize pass).
+    # The bf16 operand's values, where the cast wrote them: beside the codes (NVFP4's: its storage
+    # then gives the tensor scale, `tensor_scale()`, without a dequantize pass), or instead of
+    # them (MXFP8's, no storage: a copy that one GEMM multiplies and nothing keeps needs only them).
     values: torch.Tensor | None = None
 
     def operand(self):

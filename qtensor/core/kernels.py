@@ -11,8 +11,8 @@ a kernel module that fails to import for any other reason raises from the loader
 `reference_kernels()` (or QTENSOR_KERNELS=reference) makes every eager lookup miss (code
 torch.compile traces does not read it).
 
-Traced by torch.compile, the Float8 and MXFP8 casts, their amaxes and dequantizes (`TRACED`) trace
-their pure-torch references, which are exact under the compiler too (docs/compile.md), so inductor
+Traced by torch.compile, the Float8 and MXFP8 casts, their amaxes and dequantizes, NVFP4's
+dequantize and the GEMM epilogue without a bias (`TRACED`) trace their pure-torch references, which are exact under the compiler too (docs/compile.md), so inductor
 fuses them with their neighbours: the amax into the producer's kernel (an RMSNorm, a SiLU·mul, a
 residual add), the codes of both directions into one kernel. The other kernels reach the compiled
 graph as custom ops (`register_compiled`). QTENSOR_COMPILED_CASTS=custom_ops makes the traced ones
@@ -49,6 +49,7 @@ REFERENCES: dict[str, str] = {
     "float8.transpose": "out.copy_(codes.t()): Float8Storage's other direction",
     "mxfp8.cast": "formats.mxfp8.quantize_row_blocks of both directions, from one read",
     "mxfp8.dequantize": "formats.mxfp8.dequantize_row_blocks",
+    "mxfp8.cast_values": "mxfp8.cast, a direction asked for as values giving MXFP8Storage.dequantize_as(bf16) of its copy instead",
     "nvfp4.cast": "formats.nvfp4.quantize_row_blocks of both directions (tiles, transform, stochastic rounding)",
     "nvfp4.amaxes": "core.numerics.finite_amax of x and of apply_rht(x.t())",
     "nvfp4.dequantize": "formats.nvfp4.dequantize_row_blocks",
@@ -57,7 +58,8 @@ REFERENCES: dict[str, str] = {
     "float8_groups.column_amax": "formats.float8_groups._column_amax: each group's column amaxes",
     "float8_groups.cast": "formats.float8_groups._cast: each group's codes at its column scales, rowwise and padded columnwise",
     "float8_groups.scales": "core.numerics.current_scale of the amaxes, and exact_quotient(1.0, ·) of them",
-    "gemm.scale_output": "gemm.backends._scale_and_finish",
+    "gemm.scale_output": "gemm.backends._scale_and_finish, without a bias",
+    "gemm.scale_bias_output": "gemm.backends._scale_and_finish, with a bias",
     "grouped_mm.float8_rows": "torch._scaled_grouped_mm of FP8 rows and a stack, split accumulator (fprop, dgrad)",
     "grouped_mm.float8_columns": "torch._scaled_grouped_mm of two columnwise copies, split accumulator (wgrad)",
     "grouped_mm.bf16_rows": "gemm.grouped.values_nt of rows and a stack, times each group's factor (fprop, dgrad)",
@@ -68,8 +70,11 @@ REFERENCES: dict[str, str] = {
 
 # The kernels whose reference the compiler traces and fuses (see the module's docstring).
 TRACED = frozenset({
-    "finite_amax", "float8.cast", "float8.amax_partials", "float8.dequantize", "float8.transpose", "mxfp8.cast", "mxfp8.dequantize"
+    "finite_amax", "float8.cast", "float8.amax_partials", "float8.dequantize", "float8.transpose", "mxfp8.cast", "mxfp8.dequantize",
+    "nvfp4.dequantize", "gemm.scale_output",
 })
+# (Not "gemm.scale_bias_output": inductor contracts the product's scaling and the bias add into one
+# fused multiply-add, one rounding where the reference has two; its custom op keeps both.)
 _traced_under_compile = os.environ.get("QTENSOR_COMPILED_CASTS", "traced") != "custom_ops"
 
 

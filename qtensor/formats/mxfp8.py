@@ -14,6 +14,7 @@ from ..core.numerics import (
     pad_to_multiple,
     to_fp8_saturating,
 )
+from ..core.groups import GroupedCopy
 from ..core.kernels import lookup
 from ..core.quantizer import Quantizer
 from ..core.storage import BlockScaledOperand, Buffer, Storage
@@ -164,6 +165,29 @@ class MXFP8Quantizer(Quantizer):
 
     def group_block_rows(self) -> int:
         return BLOCK_SIZE  # E8M0 scales: the values are exact in bf16
+
+    def quantize_padded_groups(self, x, groups, rowwise, columnwise, values=(False, False)):
+        # A copy that the grouped GEMM multiplies at once and nothing keeps comes as its bf16 values
+        # alone, written by the cast: no codes are written and then read back by a dequantize pass.
+        # The values are the codes', bit for bit (the reference path dequantizes the codes instead).
+        kernel = lookup("mxfp8.cast_values", x)
+        if kernel is None or not any(values):
+            return super().quantize_padded_groups(x, groups, rowwise, columnwise, values)
+        cast = lambda rows, row, col: kernel(rows, self.fp8_dtype, self.scale_rounding, row, col, values=values)
+        padded = x if groups.padded == groups.lengths else groups.pad(x)
+        if padded is x:  # both copies from one read
+            row, col = cast(x, rowwise, columnwise)
+        else:
+            row, col = cast(x, rowwise, False)[0] if rowwise else None, cast(padded, False, columnwise)[1] if columnwise else None
+
+        def copy(direction, made, rows):
+            if made is None:
+                return None
+            if isinstance(made, torch.Tensor):  # values, [rows, cols]: the columnwise copy reduces along its rows
+                return GroupedCopy(None, values=made if direction == "rowwise" else made.t())
+            return GroupedCopy(self._storage(direction, rows.shape, *made))
+
+        return copy("rowwise", row, x), copy("columnwise", col, padded)
 
     def _storage(self, direction, shape, data, scale_inv) -> "MXFP8Storage":
         return MXFP8Storage(direction=direction, rows=shape[0], cols=shape[1], fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv)

@@ -11,6 +11,7 @@ from ..core.numerics import (
     expand_blocks,
     finite_amax,
     tensor_amax,
+    exact_quotient,
     fp32,
     pad_to_multiple,
     reduce_amax,
@@ -37,8 +38,9 @@ RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 def e2m1_grid(device) -> torch.Tensor:
     """E2M1_GRID as fp32 on `device`: code bits 0eem: exponent bits e, mantissa bit m → m/2 (e = 0) or 2^(e-1)(1 + m/2)."""
     codes = torch.arange(8, device=device)
-    exponent, mantissa = (codes >> 1).float(), (codes & 1).float()
-    return torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent - 1) * (1 + mantissa * 0.5))
+    exponent, mantissa = codes >> 1, codes & 1
+    # 2^(e-1)(1 + m/2) = ((2 + m) << e) / 4 in integers (exact under any compiler, unlike exp2)
+    return torch.where(exponent == 0, mantissa * 0.5, ((2 + mantissa) << exponent) * 0.25)
 
 
 _RHT_NEGATIVE_MASK = sum(1 << i for i, sign in enumerate(RHT_SIGNS) if sign < 0)
@@ -131,7 +133,10 @@ def uniform_draws(keys: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     grid = e2m1_grid(codes.device)
     magnitude = grid[(codes & 0x7).long()]
-    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
+    # The sign bit set on the magnitude's bits, not a negation: -0 stays -0 also where a compiler
+    # lowers -x to 0 - x (Triton does, and so inductor's code for a traced dequantize).
+    sign = ((codes & 0x8).to(torch.int32) << 28).to(torch.int32)  # bit 3 → bit 31
+    return (magnitude.view(torch.int32) | sign).view(torch.float32)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -165,7 +170,7 @@ def dequantize_row_blocks(packed, block_scale, s_enc, columns) -> torch.Tensor:
     """Value `(q * float(s)) * (1/S_enc)`, two fp32 products in that order."""
     q = e2m1_values(unpack_nibbles(packed, columns))
     scaled = q * expand_blocks(block_scale.float(), BLOCK_SIZE, columns)
-    return scaled * (fp32(1.0, packed.device) / s_enc)
+    return scaled * exact_quotient(1.0, s_enc)  # correctly rounded under torch.compile too
 
 
 def hadamard16(runs: torch.Tensor) -> torch.Tensor:

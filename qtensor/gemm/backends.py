@@ -212,7 +212,13 @@ def _dequantized_bf16_mm(forms: list, bias: torch.Tensor | None, out_dtype: torc
     del a16, b16  # the bf16 operands live for the GEMM only
     if a_scale is None and b_scale is None:
         return _finish(product, bias, out_dtype)
-    kernel = lookup("gemm.scale_output", product)
+    return scaled_epilogue(product, a_scale, b_scale, bias, out_dtype)
+
+
+def scaled_epilogue(product, a_scale, b_scale, bias, out_dtype) -> torch.Tensor:
+    """The fp32 `product` times the operands' TensorScales (either may be None, not both), plus
+    `bias`, rounded once to `out_dtype`."""
+    kernel = lookup("gemm.scale_output" if bias is None else "gemm.scale_bias_output", product)
     if kernel is not None:  # the tensor scales are computed inside the epilogue: no extra launches
         return kernel(product, a_scale, b_scale, bias, out_dtype)
     return _scale_and_finish(product, _scale_value(a_scale, b_scale), bias, out_dtype)

@@ -211,6 +211,7 @@ class PaddedGroupsFunction(torch.autograd.Function):
         if input_needs_grad:
             grad_x = gemm.grouped.copies_rows(g_row, w_col, "columnwise", experts, groups.offsets(False), groups.lengths, x_dtype)
             grad_x = _rows_past_end_zero(grad_x, x_shape[0])
+        g_row = w_col = None  # g_row's values, the size of grad_out, freed before the weight gradient is made
         if weight_needs_grad:
             grad_stack = gemm.grouped.copies_columns(g_col, x_col, padded.offsets(True), padded.padded, wgrad_dtype, stack_dtype)  # [experts, out, in]
             grad_stack = grad_stack.transpose(-2, -1) if ctx.in_out else grad_stack
