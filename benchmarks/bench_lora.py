@@ -1,7 +1,7 @@
 """LoRA fine-tuning over a frozen base: peak memory and tokens/s by the base's format (GPU).
 
     python benchmarks/bench_lora.py [--systems bf16,float8_rowwise,nvfp4,nf4] [--steps 10] [--seq 2048]
-                                    [--batch 1] [--checkpointing] [--compile] [--tiny]
+                                    [--batch 1] [--checkpointing] [--compile [--cuda-graphs]] [--tiny]
 
 A Llama-shaped model of about 1.1B parameters (hidden 2048, 22 blocks, MLP 5632, 32 heads, 4 KV
 heads, vocabulary 32000; random weights) in bf16, its blocks' linear weights then held in the
@@ -21,7 +21,8 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
 
 `--checkpointing` recomputes each block's activations in the backward (transformers' gradient
 checkpointing, non-reentrant), for every system; `--compile` compiles each block
-(`torch.compile`). `--tiny` runs a two-block model of width 256 (on the CPU too, `--device
+(`torch.compile`), and with `--cuda-graphs` replays each compiled block as CUDA graphs
+(`mode="reduce-overhead"`: the host launches a block's kernels in one call). `--tiny` runs a two-block model of width 256 (on the CPU too, `--device
 cpu`) to check the script. Prints tokens/s, × bf16 and peak GiB per system, and the bytes a forward saves for the backward
 per token (activations: every tensor autograd saves, less the model's parameters and the held
 weights' own buffers; measured with saved-tensor hooks, so on the CPU too).
@@ -46,7 +47,7 @@ SHAPES = {
 }
 
 
-def build(system: str, shape: str, device: str, checkpointing: bool = False, compiled: bool = False):
+def build(system: str, shape: str, device: str, checkpointing: bool = False, compiled: bool | str = False):
     import peft
     import transformers
 
@@ -73,11 +74,11 @@ def build(system: str, shape: str, device: str, checkpointing: bool = False, com
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compiled:  # each block compiled on its own (as torchtune and torchtitan compile theirs)
         for layer in model.base_model.model.model.layers:
-            layer.compile()
+            layer.compile(**({"mode": compiled} if isinstance(compiled, str) else {}))
     return model
 
 
-def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpointing: bool = False, compiled: bool = False, batch: int = 1) -> dict:
+def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpointing: bool = False, compiled: bool | str = False, batch: int = 1) -> dict:
     model = build(system, shape, device, checkpointing, compiled)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     tokens = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), device=device)
@@ -142,19 +143,21 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every block")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: mode='reduce-overhead' (CUDA graphs)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     shape = "tiny" if args.tiny else "1b"
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    options = (", gradient checkpointing" if args.checkpointing else "") + (", blocks compiled" if args.compile else "")
+    compiled = "reduce-overhead" if args.compile and args.cuda_graphs else args.compile
+    options = (", gradient checkpointing" if args.checkpointing else "") + (", blocks compiled" if args.compile else "") + (" as CUDA graphs" if compiled == "reduce-overhead" else "")
     print(f"{name}, torch {torch.__version__}; LoRA r16 over a {shape} Llama, batch {args.batch} of sequence {args.seq}{options}, median of {args.steps} steps")
     print(f"{'system':<24} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9} {'saved KiB/token':>16}")
     base = None
     for system in args.systems.split(","):
         try:
-            row = measure(system, shape, args.device, args.seq, args.steps, args.checkpointing, args.compile, args.batch)
+            row = measure(system, shape, args.device, args.seq, args.steps, args.checkpointing, compiled, args.batch)
         except Exception as error:  # one system's failure is a row
             print(f"{system:<24} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
             continue
