@@ -12,11 +12,12 @@ a kernel module that fails to import for any other reason raises from the loader
 torch.compile traces does not read it).
 
 Traced by torch.compile, the Float8 and MXFP8 casts, their amaxes and dequantizes, NVFP4's
-dequantize and the GEMM epilogue without a bias (`TRACED`) trace their pure-torch references, which are exact under the compiler too (docs/compile.md), so inductor
-fuses them with their neighbours: the amax into the producer's kernel (an RMSNorm, a SiLU·mul, a
-residual add), the codes of both directions into one kernel. The other kernels reach the compiled
-graph as custom ops (`register_compiled`). QTENSOR_COMPILED_CASTS=custom_ops makes the traced ones
-custom ops too (to compare the two).
+dequantize and the GEMM epilogue without a bias (`TRACED`) trace their pure-torch references,
+which are exact under the compiler too (docs/compile.md), so inductor fuses them with their
+neighbours: the amax into the producer's kernel (an RMSNorm, a SiLU·mul, a residual add), the
+codes of both directions into one kernel. The other kernels reach the compiled graph as custom ops
+(`register_compiled`). QTENSOR_COMPILED_CASTS=custom_ops makes the traced ones custom ops too (to
+compare the two).
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from ..core.numerics import (
     amaxes_pre_reduced,
     block_amax,
     ceil_div,
+    exact_quotient,
     expand_blocks,
     finite_amax,
     tensor_amax,
-    exact_quotient,
     fp32,
     pad_to_multiple,
     reduce_amax,
@@ -135,7 +135,7 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     magnitude = grid[(codes & 0x7).long()]
     # The sign bit set on the magnitude's bits, not a negation: -0 stays -0 also where a compiler
     # lowers -x to 0 - x (Triton does, and so inductor's code for a traced dequantize).
-    sign = ((codes & 0x8).to(torch.int32) << 28).to(torch.int32)  # bit 3 → bit 31
+    sign = (codes & 0x8).to(torch.int32) << 28  # bit 3 → bit 31 (int32 wraps to the sign bit)
     return (magnitude.view(torch.int32) | sign).view(torch.float32)
 
 
