@@ -50,6 +50,43 @@ def test_the_inner_tensors_torch_compile_reads_are_the_tensors_buffers(name, cop
     assert torch.equal(rebuilt.dequantize().nan_to_num(), q.dequantize().nan_to_num())
 
 
+KEPT_FLATTEN_CASES = {  # a shared tensor-wide buffer (Float8's scale_inv, NVFP4's global_amax), and none
+    "Float8Tensor": lambda: qtensor.Float8Quantizer(),
+    "NVFP4Tensor": lambda: qtensor.NVFP4Quantizer(),
+    "HybridQuantizedTensor": TYPES["HybridQuantizedTensor"],
+}
+
+
+@pytest.mark.parametrize("name", list(KEPT_FLATTEN_CASES))
+def test_the_kept_flatten_answer_follows_new_storages_unshared_buffers_and_quantizers(name):
+    """Compiled code flattens each quantized input at every call, so the answer is kept on the tensor;
+    it is made again when a storage is replaced, a shared buffer stops being shared or the quantizer
+    changes: the names stay buffer_dict's, each read gives that buffer, the context the quantizer."""
+    q = KEPT_FLATTEN_CASES[name]().quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+
+    def check():
+        buffers = q.buffer_dict(quantizer_state=False)
+        names, context = q.__tensor_flatten__()
+        assert names == [key.replace(".", "__") for key in buffers]
+        assert all(getattr(q, n) is buffers[key] for n, key in zip(names, buffers))
+        assert context[1] is q.quantizer
+        return names
+
+    check()
+    assert q.__tensor_flatten__() is q.__tensor_flatten__()  # kept between calls
+    shared = q.shared_buffer_names()
+    assert bool(shared) == (name != "HybridQuantizedTensor")
+    for field in shared:  # no longer one tensor: named once per direction
+        setattr(q.columnwise, field, getattr(q.columnwise, field).clone())
+        assert field not in check() and f"columnwise__{field}" in check()
+    q.rowwise = q.rowwise.map_buffers(torch.clone)
+    check()
+    q.columnwise = None
+    assert not any(n.startswith("columnwise") for n in check())
+    q.quantizer = KEPT_FLATTEN_CASES[name]()
+    check()
+
+
 def test_a_slice_compiles_and_keeps_its_format():
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
@@ -60,6 +97,7 @@ def test_a_slice_compiles_and_keeps_its_format():
 
 # ---- a quantize_'d model, compiled ------------------------------------------------------------------
 import copy  # noqa: E402
+import inspect  # noqa: E402
 
 from torch import nn  # noqa: E402
 
@@ -172,6 +210,35 @@ def test_changing_a_quantizer_after_compiling_recompiles(recipe):
     assert counter.frame_count == 2
     torch.testing.assert_close(after, eager(x), rtol=0, atol=0)
     assert not torch.equal(after, before)
+
+
+@pytest.mark.parametrize("recipe", ["float8_current", "mxfp8_fwd_nvfp4_bwd"])
+def test_a_held_weight_is_flattened_once_across_compiled_calls(recipe, monkeypatch):
+    """Each compiled call flattens each quantized input and reads its inner tensors (guards and
+    wrapper): a frozen held weight gives its kept answer, computed at the first call only, and its
+    inner tensors are properties of its class (no __getattr__). New values written into the weight
+    afterwards reach the compiled model, as the eager one."""
+    eager = mlp(recipe, "quantized").requires_grad_(False)
+    compiled_model = copy.deepcopy(eager)
+    weight_class = type(compiled_model[0].weight)
+    made = []
+    flatten = weight_class._flatten
+    monkeypatch.setattr(weight_class, "_flatten", lambda self, shared: made.append(self) or flatten(self, shared))
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+    made.clear()
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+    assert made == []
+    names, _ = compiled_model[0].weight.__tensor_flatten__()
+    assert all(isinstance(inspect.getattr_static(weight_class, n), property) for n in names)
+    new = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for model in (eager, compiled_model):
+            model[0].weight.copy_(new)
+    torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])

@@ -79,6 +79,22 @@ TRACED = frozenset({
 _traced_under_compile = os.environ.get("QTENSOR_COMPILED_CASTS", "traced") != "custom_ops"
 
 
+def skipped_by_compiler(fn: Callable, *, recursive: bool = True) -> Callable:
+    """`torch.compiler.disable(fn, recursive=...)` without the wrapper it puts around `fn`: the code
+    of `fn` is marked for torch.compile's frame hook to run as it is (with `recursive`, the frames
+    it calls too), and a graph that traces into `fn` breaks there, as at a disabled function. For
+    functions compiled code calls at every step, where the wrapper's cost counts: a quantized
+    tensor's `__getattr__`, which reads its inner tensors for the graph's guards and inputs."""
+    try:
+        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # a torch without per-code strategies: the wrapper
+        return torch.compiler.disable(fn, recursive=recursive)
+    nested = FrameAction.SKIP if recursive else FrameAction.DEFAULT
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, nested))
+    fn._torchdynamo_disable = True  # what tracing reads: do not inline, break the graph here
+    return fn
+
+
 class KernelTable:
     """The registered kernels (eager, and as custom ops for compiled graphs) and the loader that fills
     them, run once under a lock by the first CUDA lookup."""

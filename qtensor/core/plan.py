@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,7 +29,7 @@ class StoragePlan:
     options: tuple  # ((name, value), ...)
     row_slice: bool = False
 
-    @property
+    @cached_property  # read at each call of a compiled graph (flatten.py)
     def buffer_names(self) -> tuple[str, ...]:
         """The storage's buffers' names, in layout order (they do not depend on its size)."""
         return _buffer_names(self.cls, self.direction, tuple(value for _, value in self.options))
@@ -203,32 +204,3 @@ def lookup(table: dict, name, where: str, what: str):
     if not isinstance(name, str) or name not in table:
         raise ValueError(f"{where}: unknown qtensor {what} {name!r}; expected one of {sorted(table)}.")
     return table[name]
-
-
-def inner_names(tensor, shared: tuple[str, ...]) -> list[str]:
-    """`tensor.buffer_dict()`'s names as its inner tensors' (`.` as `__`), read from the storages'
-    plans, not from the buffers: torch.compile asks at every call of a compiled graph, for each
-    quantized input. `shared`: `tensor.shared_buffer_names()`."""
-    names = []
-    for direction in DIRECTIONS:
-        storage = getattr(tensor, direction)
-        if storage is None or (direction == "columnwise" and storage is tensor.rowwise):
-            continue
-        for name in storage_plan(storage).buffer_names:
-            if name not in shared:
-                names.append(f"{direction}__{name}")
-            elif name not in names:  # a tensor-wide buffer both directions share: named once
-                names.append(name)
-    return names
-
-
-def inner_tensor(tensor, name: str) -> torch.Tensor:
-    """The inner tensor `__tensor_flatten__` names: "rowwise__data" is `tensor.rowwise.data`, a
-    shared tensor-wide "scale_inv" is `tensor.rowwise.scale_inv`."""
-    direction, separator, field = name.partition("__")
-    if not separator:
-        direction, field = "rowwise", name
-    storage = tensor.__dict__.get(direction) if direction in DIRECTIONS else None
-    if storage is not None and field in storage_plan(storage).buffer_names:
-        return getattr(storage, field)
-    raise AttributeError(f"{type(tensor).__name__} has no attribute {name!r}")

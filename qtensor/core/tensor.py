@@ -26,9 +26,10 @@ import threading
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .kernels import is_fake
+from .kernels import is_fake, skipped_by_compiler
 from .numerics import FP8_DTYPES
-from .plan import TENSOR_CLASSES, TensorPlan, inner_names, inner_tensor
+from .flatten import cached_flatten, inner_names, inner_tensor
+from .plan import TENSOR_CLASSES, TensorPlan
 from .quantizer import DTYPES_BY_NAME, Quantizer, quantizer_from_dict
 from .storage import DIRECTIONS, Storage
 
@@ -275,9 +276,16 @@ class QuantizedTensor(torch.Tensor):
     # torch's traceable-subclass protocol (torch.compile, and nn.Module._apply, which then swaps the
     # parameter instead of assigning .data). The context compares by value and holds no shape (it
     # comes back as outer_size), no tensors and no per-step state, so compiled code can guard on it.
+    # Compiled code asks at every call, for each quantized input: the answer is kept (flatten.py).
     def __tensor_flatten__(self):
-        shared = self.shared_buffer_names()
+        return cached_flatten(self, self._flatten, self._flatten_held())
+
+    def _flatten(self, shared: tuple[str, ...]):
         return inner_names(self, shared), (TensorPlan.key_of(self, shared), self.quantizer)
+
+    def _flatten_held(self) -> tuple | None:
+        """The objects `_flatten`'s context carries besides the storages' plans (None: compute it each time)."""
+        return (self.quantizer,)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
@@ -285,11 +293,12 @@ class QuantizedTensor(torch.Tensor):
         buffers = {name.replace("__", "."): t for name, t in inner_tensors.items()}
         return TensorPlan.from_key(key, outer_size).assemble(buffers, quantizer)
 
-    @torch.compiler.disable(recursive=False)
     def __getattr__(self, name):
-        # Not compiled as a frame of its own: a compiled graph's wrapper reads the inner tensors by
-        # these names when it runs.
+        # An inner tensor not yet a property of the class (flatten.py). Not compiled as a frame of
+        # its own (skipped below, without a wrapper's cost): compiled code's guards and wrapper call it.
         return inner_tensor(self, name)
+
+    __getattr__ = skipped_by_compiler(__getattr__, recursive=False)
 
     def __reduce_ex__(self, protocol):
         return traced_reduction(self, self._reduction()) if self._traced() else self._reduction()

@@ -23,9 +23,11 @@ import torch
 from ..distributed import fsdp, fsdp_state
 from . import traced_state, routing
 from .config import LinearQuantizers
+from ..core.kernels import skipped_by_compiler
 from ..core.ops import byte_compatible, copy_storages
 from ..core.placement import LayerPlacement
-from ..core.plan import TENSOR_CLASSES, inner_tensor
+from ..core.flatten import inner_tensor
+from ..core.plan import TENSOR_CLASSES
 from ..core.tensor import QuantizedTensor, traced_reduction
 
 aten = torch.ops.aten
@@ -59,11 +61,13 @@ class LayerWeight:
         # The layer's linear where `func` means it, plain-tensor semantics otherwise.
         return routing.torch_function(func, args, kwargs or {})
 
-    @torch.compiler.disable  # a compiled graph's wrapper reads inner tensors by name: not a frame to compile
     def __getattr__(self, name):
         if traced_state.is_state_name(name):
             return traced_state.inner_tensor(self, name)
         return self._data_attribute(name)
+
+    # A compiled graph's guards and wrapper read inner tensors by name at each call: not a frame to compile.
+    __getattr__ = skipped_by_compiler(__getattr__)
 
     def _data_attribute(self, name):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
@@ -146,8 +150,8 @@ class QuantizedWeight(LayerWeight):
 
     # torch.compile: the layer's running state travels among the inner tensors (traced_state.py), and
     # so do the amaxes of a gathered weight's cast (`cast__0`, ...), which its compiled step records.
-    def __tensor_flatten__(self):
-        names, context = super().__tensor_flatten__()
+    def _flatten(self, shared):
+        names, context = super()._flatten(shared)
         storage = self.rowwise if self.rowwise is not None else self.columnwise
         first = getattr(storage, storage._first_buffer)  # one inner tensor (is it real, and where)
         cast = self.gathered_cast
@@ -155,6 +159,12 @@ class QuantizedWeight(LayerWeight):
         paths = tuple(_quantizer_path(self.linear_quantizers, quantizer) for quantizer, _ in notes)
         names = names + [f"cast__{i}" for i in range(len(notes))] + traced_state.inner_names(self, first)
         return names, (*context, self.linear_quantizers, paths)
+
+    def _flatten_held(self):
+        linear = self.linear_quantizers
+        if self.gathered_cast is not None or (linear is not None and linear.records_amaxes):
+            return None  # the cast's notes and the layer's running state change from call to call
+        return (self.quantizer, linear)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
@@ -168,15 +178,16 @@ class QuantizedWeight(LayerWeight):
         traced_state.bind(result, inner_tensors)
         return result
 
-    @torch.compiler.disable
     def __getattr__(self, name):
         # One frame the compiler skips (not LayerWeight's, which would be a second): compiled code's
-        # wrapper reads each inner tensor through here at each call.
+        # guards and wrapper read the inner tensors that are not properties (flatten.py) through here.
         if name.startswith("cast__") and self.gathered_cast is not None:
             return self.gathered_cast.notes[int(name.removeprefix("cast__"))][1]
         if traced_state.is_state_name(name):
             return traced_state.inner_tensor(self, name)
         return self._data_attribute(name)
+
+    __getattr__ = skipped_by_compiler(__getattr__)
 
     def __reduce_ex__(self, protocol):
         if self.__dict__.get("_is_param"):
