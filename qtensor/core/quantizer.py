@@ -182,13 +182,18 @@ class Quantizer:
         `values` (rowwise, columnwise): copies a GEMM multiplies at once, whose bf16 values a cast
         may write beside the codes. Here a format without a tensor-wide scale: a row's codes do not
         depend on its group, so the rows are cast as one tensor, and their columnwise copy as one
-        from the padded rows."""
+        from the padded rows (`_cast_rows`)."""
         if groups.padded == groups.lengths and rowwise and columnwise:  # both copies from one cast
-            both = self.quantize(x, rowwise=True, columnwise=True)
-            return GroupedCopy(both.rowwise), GroupedCopy(both.columnwise)
-        row = GroupedCopy(self.quantize(x, rowwise=True, columnwise=False).rowwise) if rowwise else None
-        col = GroupedCopy(self.quantize(groups.pad(x), rowwise=False, columnwise=True).columnwise) if columnwise else None
+            return self._cast_rows(x, True, True, values)
+        row = self._cast_rows(x, True, False, values)[0] if rowwise else None
+        col = self._cast_rows(groups.pad(x), False, True, values)[1] if columnwise else None
         return row, col
+
+    def _cast_rows(self, rows: torch.Tensor, rowwise: bool, columnwise: bool, values) -> tuple:
+        """(rowwise, columnwise) GroupedCopy of one cast of `rows` [M, K] (None for a direction not
+        asked for); a format may give a copy in `values` as its bf16 values instead of codes."""
+        both = self.quantize(rows, rowwise=rowwise, columnwise=columnwise)
+        return GroupedCopy(both.rowwise) if rowwise else None, GroupedCopy(both.columnwise) if columnwise else None
 
     def quantize_groups(self, x: torch.Tensor, groups: RowGroups, rowwise: bool, columnwise: bool):
         """(rowwise, columnwise) GroupedOperand of `x` [M, K], each of the `groups` of consecutive

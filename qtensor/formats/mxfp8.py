@@ -166,28 +166,23 @@ class MXFP8Quantizer(Quantizer):
     def group_block_rows(self) -> int:
         return BLOCK_SIZE  # E8M0 scales: the values are exact in bf16
 
-    def quantize_padded_groups(self, x, groups, rowwise, columnwise, values=(False, False)):
+    def _cast_rows(self, rows, rowwise, columnwise, values):
         # A copy that the grouped GEMM multiplies at once and nothing keeps comes as its bf16 values
         # alone, written by the cast: no codes are written and then read back by a dequantize pass.
         # The values are the codes', bit for bit (the reference path dequantizes the codes instead).
-        kernel = lookup("mxfp8.cast_values", x)
+        kernel = lookup("mxfp8.cast_values", rows)
         if kernel is None or not any(values):
-            return super().quantize_padded_groups(x, groups, rowwise, columnwise, values)
-        cast = lambda rows, row, col: kernel(rows, self.fp8_dtype, self.scale_rounding, row, col, values=values)
-        padded = x if groups.padded == groups.lengths else groups.pad(x)
-        if padded is x:  # both copies from one read
-            row, col = cast(x, rowwise, columnwise)
-        else:
-            row, col = cast(x, rowwise, False)[0] if rowwise else None, cast(padded, False, columnwise)[1] if columnwise else None
+            return super()._cast_rows(rows, rowwise, columnwise, values)
+        made = kernel(rows, self.fp8_dtype, self.scale_rounding, rowwise, columnwise, values=values)
 
-        def copy(direction, made, rows):
+        def copy(direction, made):
             if made is None:
                 return None
             if isinstance(made, torch.Tensor):  # values, [rows, cols]: the columnwise copy reduces along its rows
                 return GroupedCopy(None, values=made if direction == "rowwise" else made.t())
             return GroupedCopy(self._storage(direction, rows.shape, *made))
 
-        return copy("rowwise", row, x), copy("columnwise", col, padded)
+        return copy("rowwise", made[0]), copy("columnwise", made[1])
 
     def _storage(self, direction, shape, data, scale_inv) -> "MXFP8Storage":
         return MXFP8Storage(direction=direction, rows=shape[0], cols=shape[1], fp8_dtype=self.fp8_dtype, data=data, scale_inv=scale_inv)
