@@ -17,6 +17,24 @@ import torch
 # lets the test modules `import oracle` whatever pytest import mode is in use
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import workers  # noqa: E402
+
+# The subprocess runs (gloo ranks, torchrun, the demo) that the selected tests wait for start while
+# the tests before them run: workers.Background.
+_EARLY = workers.EarlyStarts()
+
+
+def pytest_collection_finish(session):
+    _EARLY.collected(session.items)
+
+
+def pytest_runtest_setup(item):
+    _EARLY.next()
+
+
+def pytest_sessionfinish(session):
+    _EARLY.stop()
+
 TILE = 16
 _NUMPY_DTYPE = {torch.float32: np.float32, torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
 # tile exponent range per dtype: 2**[-20, 20] where the dtype has the range, narrower for fp16

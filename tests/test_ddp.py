@@ -17,11 +17,12 @@ import workers  # noqa: E402
 WORLD = 2
 
 
+RUN = workers.Background("ranks", workers.rank_commands("ddp_case.py", world=WORLD), timeout=180)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp") / "results.pt"
-    workers.launch("ddp_case.py", out, world=WORLD, timeout=180)
-    return torch.load(out, weights_only=False)
+def ranks():
+    return torch.load(RUN.results() / "results.pt", weights_only=False)
 
 
 def _batch_amaxes(rank: int) -> list[float]:

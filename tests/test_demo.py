@@ -1,5 +1,11 @@
 """The main job runs end to end and prints its table."""
 
+import os
+import sys
+
+import pytest
+
+import workers
 from qtensor import demo
 
 
@@ -62,21 +68,29 @@ def _rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
-def _demo_subprocess(threads: int, *args: str) -> str:
-    import os
-    import subprocess
-    import sys
-
-    environment = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return subprocess.run(
-        [sys.executable, "-m", "qtensor.demo", *args], env=environment, capture_output=True, text=True, check=True
-    ).stdout
-
-
-def test_demo_losses_are_the_same_under_one_and_two_threads():
-    # 30 bf16 steps of the default model: enough for two threads' GEMM rounding to reach the printed loss
+def _demo_subprocesses(folder) -> list:
+    """For workers.Background: `python -m qtensor.demo` under one thread and under two (both at once:
+    each process's results depend on its own thread count only). 30 bf16 steps of the default model:
+    enough for two threads' GEMM rounding to reach the printed loss."""
     args = ("--only", "no-recipe", "--steps", "30")
-    one, two = (_rows(_demo_subprocess(threads, *args)) for threads in (1, 2))
+    return [([sys.executable, "-m", "qtensor.demo", *args], dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)))
+            for threads in (1, 2)]
+
+
+ONE_AND_TWO_THREADS = workers.Background("one_and_two_threads", _demo_subprocesses, timeout=600)
+
+
+@pytest.fixture
+def one_and_two_threads() -> list:
+    """The demo's stdout under one thread and under two (started early: workers.Background)."""
+    done = ONE_AND_TWO_THREADS.wait()
+    for run in done:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return [run.stdout for run in done]
+
+
+def test_demo_losses_are_the_same_under_one_and_two_threads(one_and_two_threads):
+    one, two = (_rows(printed) for printed in one_and_two_threads)
     assert one.keys() == two.keys() and "bf16" in one
     for name in one:
         # final loss, gap to bf16 and what follows up to the weight column; step ms may differ

@@ -18,6 +18,7 @@ from torch import nn
 
 import oracle
 import qtensor
+import workers
 from qtensor.core import kernels
 from qtensor.core.groups import RowGroups
 from qtensor.formats import float8_groups
@@ -762,7 +763,16 @@ def gemm_within(actual, a, b, relative=1e-3):
     assert np.all(error <= bound), f"max error/bound {np.max(error / bound):.3g}"
 
 
-def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
+SHARDED_EXPERTS = workers.Background("sharded_experts", workers.rank_commands("experts_fsdp_case.py", world=2), timeout=300)
+
+
+@pytest.fixture
+def sharded_experts():
+    """The folder of experts_fsdp_case.py's results.pt (2 ranks started early: workers.Background)."""
+    return SHARDED_EXPERTS.results()
+
+
+def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(sharded_experts):
     """FSDP2 over 2 gloo ranks shards a dynamic stack along its experts, each rank casting its own
     experts (each on its own) and gathering their codes and scales (with delayed scaling, whose
     state is per expert, the stack's high-precision values, cast after the gather), and a stack
@@ -779,11 +789,7 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
     micro-batches a step: a gather of new values (after an optimizer step) counts as a write of the
     gathered stack, whose casts and weight amaxes are then made again, and a gather of the same
     values (the next micro-batch) does not."""
-    import workers
-
-    out = tmp_path / "results.pt"
-    workers.launch("experts_fsdp_case.py", out, world=2, timeout=300)
-    results = torch.load(out, weights_only=False)
+    results = torch.load(sharded_experts / "results.pt", weights_only=False)
     assert {"float8_delayed", "float8_delayed, 2 micro-batches", "float8_current", "float8_rowwise"} <= set(results)
     # Resharded under a root, with activation checkpointing, and accumulating without resharding
     # after the backward: the gradients of one process, for held and dynamic stacks.
@@ -818,14 +824,19 @@ def test_fsdp2_shards_a_stack_by_experts_and_trains_as_one_process(tmp_path):
             torch.testing.assert_close(getattr(gathered, "plain", lambda: gathered)(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp2_over_one_rank_gathers_a_held_stack_whole(tmp_path):
+SHARDED_ONE_RANK = workers.Background("sharded_on_one_rank", workers.rank_commands("stack_one_rank_case.py", world=1), timeout=120)
+
+
+@pytest.fixture
+def sharded_on_one_rank():
+    """The folder of stack_one_rank_case.py's results.pt (a worker started early: workers.Background)."""
+    return SHARDED_ONE_RANK.results()
+
+
+def test_fsdp2_over_one_rank_gathers_a_held_stack_whole(sharded_on_one_rank):
     """On one rank FSDP2 copies only the first all-gather input into its output: a stack held
     quantized sends its buffers packed in one, and trains as the unsharded layer does."""
-    import workers
-
-    out = tmp_path / "results.pt"
-    workers.launch("stack_one_rank_case.py", out, world=1, timeout=120)
-    for recipe, (single, sharded) in torch.load(out, weights_only=False).items():
+    for recipe, (single, sharded) in torch.load(sharded_on_one_rank / "results.pt", weights_only=False).items():
         np.testing.assert_allclose(sharded, single, rtol=1e-6, err_msg=recipe)
 
 

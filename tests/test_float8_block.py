@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import oracle
+import workers
 from cases import DTYPES, FP8_DTYPES, dtype_id
 import qtensor
 
@@ -230,17 +231,12 @@ def test_the_hybrids_take_block_scaled_copies():
 
 
 # ---- through FSDP2 and tensor parallelism (block_cases.py, 2 gloo ranks) -----------------------------
+RUN = workers.Background("distributed", workers.rank_commands("block_cases.py", world=2), timeout=300)
+
+
 @pytest.fixture(scope="module")
-def distributed(tmp_path_factory):
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import workers
-
-    out = tmp_path_factory.mktemp("blocks") / "results.pt"
-    workers.launch("block_cases.py", out, world=2, timeout=300)
-    return torch.load(out, weights_only=False)
+def distributed():
+    return torch.load(RUN.results() / "results.pt", weights_only=False)
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])

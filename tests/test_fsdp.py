@@ -6,6 +6,7 @@ its results with the same scenarios run in this process.
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -21,22 +22,30 @@ import workers  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module")
-def distributed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp") / "results.pt"
-    # One-process checkpoints for the workers to load into 2 ranks (1 -> 2), and their logits.
+def _single_process_checkpoints(folder) -> dict:
+    """One-process checkpoints for the workers to load into 2 ranks (1 -> 2); their logits."""
     import torch.distributed.checkpoint as dcp
 
     single_logits = {}
     for recipe, weights in fsdp_cases.DCP_CASES:
         model = fsdp_cases.build(recipe, weights, seed=3)
         fsdp_cases.train(model, weights)
-        dcp.save(model.state_dict(), checkpoint_id=str(out.parent / f"dcp1_{recipe}_{weights}"), no_dist=True)
+        dcp.save(model.state_dict(), checkpoint_id=str(folder / f"dcp1_{recipe}_{weights}"), no_dist=True)
         single_logits[(recipe, weights)] = fsdp_cases.probe_logits(model)
-    workers.launch("fsdp_cases.py", out, world=2, timeout=240)
-    results = torch.load(out, weights_only=False)
-    results["folder"] = out.parent
-    results["single_logits"] = single_logits
+    return single_logits
+
+
+# The 2 ranks run every scenario once, one of the longest waits of the suite: they start while the
+# tests before this module's run (workers.Background).
+RUN = workers.Background("distributed", workers.rank_commands("fsdp_cases.py", world=2), timeout=240,
+                         prepare=_single_process_checkpoints)
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    results = torch.load(RUN.results() / "results.pt", weights_only=False)
+    results["folder"] = RUN.folder
+    results["single_logits"] = RUN.prepared
     return results
 
 
@@ -208,17 +217,32 @@ def test_mixed_precision_policy_gathers_a_bf16_quantized_weight(distributed, wei
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=2e-2, atol=0)
 
 
-def test_the_main_job_under_torchrun_prints_the_single_process_losses_and_the_gathered_bytes(capsys):
+def _torchrun(*arguments: str) -> list:
+    """For workers.Background: `torchrun --nproc-per-node 2 ARGUMENTS`, qtensor importable from the repository."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    return [([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(workers.free_port()), *arguments], env)]
+
+
+_DEMO_ARGUMENTS = ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "4", "--length", "16", "--only", "nvfp4", "mxfp8,"]
+TORCHRUN_DEMO = workers.Background(
+    "torchrun_demo", lambda folder: _torchrun("-m", "qtensor.demo", "--fsdp", "--device", "cpu", *_DEMO_ARGUMENTS), timeout=240
+)
+
+
+@pytest.fixture
+def torchrun_demo() -> subprocess.CompletedProcess:
+    """The main job under torchrun with FSDP2 (started early: workers.Background)."""
+    (done,) = TORCHRUN_DEMO.wait()
+    return done
+
+
+def test_the_main_job_under_torchrun_prints_the_single_process_losses_and_the_gathered_bytes(torchrun_demo, capsys):
     from qtensor import demo
 
-    arguments = ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "4", "--length", "16", "--only", "nvfp4", "mxfp8,"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(workers.free_port()),
-               "-m", "qtensor.demo", "--fsdp", "--device", "cpu", *arguments]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    done = torchrun_demo
     assert done.returncode == 0, done.stderr[-4000:]
     sharded = workers.demo_rows(done.stdout)
-    demo.main([*arguments, "--device", "cpu"])
+    demo.main([*_DEMO_ARGUMENTS, "--device", "cpu"])
     single = workers.demo_rows(capsys.readouterr().out)
     for name in ("bf16", "nvfp4", "mxfp8, quantized weights"):
         assert sharded[name][0] == single[name][0], (name, sharded[name], single[name])  # final loss, as printed
@@ -227,17 +251,27 @@ def test_the_main_job_under_torchrun_prints_the_single_process_losses_and_the_ga
     assert 0 < sent <= 0.3 * bf16
 
 
-def test_the_readme_fsdp_example_runs_under_torchrun(tmp_path):
-    import re
-
+def _readme_fsdp_script(folder) -> None:
     readme = open(os.path.join(os.path.dirname(HERE), "README.md")).read()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "fully_shard" in b]
-    script = tmp_path / "train.py"
     # os._exit (docs/design.md, FSDP2) skips Python's flush: flush what the example printed first.
-    script.write_text(block + "\n    dist.destroy_process_group()\n    import sys\n    sys.stdout.flush()\n    os._exit(0)\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(workers.free_port()), str(script)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    (folder / "train.py").write_text(block + "\n    dist.destroy_process_group()\n    import sys\n    sys.stdout.flush()\n    os._exit(0)\n")
+
+
+TORCHRUN_README = workers.Background(
+    "torchrun_readme", lambda folder: _torchrun(str(folder / "train.py")), timeout=120, prepare=_readme_fsdp_script
+)
+
+
+@pytest.fixture
+def torchrun_readme() -> subprocess.CompletedProcess:
+    """README's FSDP2 example under torchrun (started early: workers.Background)."""
+    (done,) = TORCHRUN_README.wait()
+    return done
+
+
+def test_the_readme_fsdp_example_runs_under_torchrun(torchrun_readme):
+    done = torchrun_readme
     assert done.returncode == 0, done.stderr[-3000:]
     # One dict per rank; the two ranks share the pipe, so find them by pattern, not by line.
     stats = [ast.literal_eval(found) for found in re.findall(r"\{'all_gathers': \d+, 'bytes': \d+, 'bf16_bytes': \d+\}", done.stdout)]
@@ -272,10 +306,31 @@ dist.destroy_process_group()
 _FREED_CASES = [("float8_current", "dynamic"), ("mxfp8", "quantized")]
 
 
+def _one_rank(script: str, *arguments: str):
+    """For workers.Background: `script` run in a fresh interpreter as one gloo rank."""
+
+    def commands(folder) -> list:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(workers.free_port()), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+        return [([sys.executable, "-c", script, *arguments], env)]
+
+    return commands
+
+
+def _printed(run: workers.Background) -> str:
+    """What a `_one_rank` script printed."""
+    (done,) = run.wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+FREED = workers.Background("parameters_left_alive", _one_rank(_FREED_SCRIPT, *(f"{r},{w}" for r, w in _FREED_CASES)), timeout=120)
+
+
 @pytest.fixture(scope="module")
 def parameters_left_alive():
     """{(recipe, weights): (parameters still alive after the model was deleted, parameters)}."""
-    printed = _one_rank(_FREED_SCRIPT, *(f"{recipe},{weights}" for recipe, weights in _FREED_CASES))
+    printed = _printed(FREED)
     return {tuple(line.split()[0].split(",")): tuple(int(n) for n in line.split()[1:]) for line in printed.splitlines()}
 
 
@@ -288,15 +343,6 @@ def test_a_deleted_sharded_model_frees_its_parameters(parameters_left_alive, rec
     model sharded per block is kept alive by FSDP2 itself on the CPU builds of torch 2.11 and 2.13,
     with or without qtensor)."""
     assert parameters_left_alive[(recipe, weights)] == (0, 4)
-
-
-def _one_rank(script: str, *arguments: str) -> str:
-    """What `script` printed, run in a fresh interpreter as one gloo rank."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(workers.free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script, *arguments], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 _UNSHARDED_BYTES_SCRIPT = """
@@ -335,10 +381,13 @@ _GATHERED_BYTES = {
 }
 
 
+GATHERED = workers.Background("gathered_weight_bytes", _one_rank(_UNSHARDED_BYTES_SCRIPT, *_GATHERED_BYTES), timeout=120)
+
+
 @pytest.fixture(scope="module")
 def gathered_weight_bytes():
     """{recipe: [bytes the gathered weight holds at each of two forwards]}."""
-    printed = _one_rank(_UNSHARDED_BYTES_SCRIPT, *_GATHERED_BYTES)
+    printed = _printed(GATHERED)
     return {line.split()[0]: [int(n) for n in line.split()[1:]] for line in printed.splitlines()}
 
 

@@ -2,6 +2,9 @@
 offline, on tiny models built from configs and saved to a temporary directory."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import qtensor  # noqa: E402
 import qtensor.hf  # noqa: E402
+import workers  # noqa: E402
 from qtensor.hf import QTensorConfig  # noqa: E402
 from fresh import run_python  # noqa: E402
 
@@ -423,33 +427,44 @@ for directory in sys.argv[2:]:
 """
 
 
-def test_import_qtensor_alone_loads_a_saved_model_and_without_it_a_quantized_one_fails_loudly(tmp_path):
+def _saved_directories(folder) -> None:
+    """A plain checkpoint, and from_pretrained's MXFP8 model of it saved in each weight mode with
+    its logits and one weight's values (what _LOAD_IN_A_FRESH_INTERPRETER compares)."""
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(folder / "plain")
+    for weights in ("dynamic", "quantized"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder / "plain", quantization_config=QTensorConfig(recipe="mxfp8", weights=weights))
+        model.save_pretrained(folder / weights)
+        with torch.no_grad():
+            torch.save(model(torch.arange(32)[None]).logits, folder / weights / "logits.pt")
+        weight = model.model.layers[0].mlp.down_proj.weight
+        plain = weight.plain() if weights == "dynamic" else weight.dequantize()
+        torch.save(plain.detach().clone(), folder / weights / "down_proj.pt")
+
+
+def _fresh_loads(folder) -> list:
+    """Two fresh interpreters loading the saved directories, one after `import qtensor`, one without."""
+    directories = [str(folder / weights) for weights in ("dynamic", "quantized")]
+    return [([sys.executable, "-c", _LOAD_IN_A_FRESH_INTERPRETER, how, *directories], dict(os.environ), folder) for how in ("import qtensor", "nothing")]
+
+
+FRESH_LOADS = workers.Background("fresh_loads", _fresh_loads, timeout=600, prepare=_saved_directories)
+
+
+@pytest.fixture
+def fresh_loads() -> list:
+    """The two fresh interpreters' CompletedProcess (started early: workers.Background)."""
+    return FRESH_LOADS.wait()
+
+
+def test_import_qtensor_alone_loads_a_saved_model_and_without_it_a_quantized_one_fails_loudly(fresh_loads):
     """In a fresh interpreter, `import qtensor` (before transformers) is enough for from_pretrained
     to restore a save_pretrained directory, in both weight modes. With nothing of qtensor imported,
     transformers cannot know the method: a directory of quantized weights raises (its weights'
     entries do not fit the plain layers) instead of loading newly initialised weights, and one of
     dynamic weights loads their saved high-precision values."""
-    import subprocess
-    import sys
-
-    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "plain")
-    directories = []
-    for weights in ("dynamic", "quantized"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=QTensorConfig(recipe="mxfp8", weights=weights))
-        model.save_pretrained(tmp_path / weights)
-        with torch.no_grad():
-            torch.save(model(torch.arange(32)[None]).logits, tmp_path / weights / "logits.pt")
-        weight = model.model.layers[0].mlp.down_proj.weight
-        plain = weight.plain() if weights == "dynamic" else weight.dequantize()
-        torch.save(plain.detach().clone(), tmp_path / weights / "down_proj.pt")
-        directories.append(str(tmp_path / weights))
-    run = lambda how: subprocess.run(
-        [sys.executable, "-c", _LOAD_IN_A_FRESH_INTERPRETER, how, *directories], capture_output=True, text=True, cwd=tmp_path,
-    )
-    with_qtensor = run("import qtensor")
+    with_qtensor, without = fresh_loads
     assert with_qtensor.returncode == 0, with_qtensor.stderr[-3000:]
     assert with_qtensor.stdout.split("\n")[:2] == ["loaded DynamicWeight True False", "loaded MXFP8TensorWeight True False"], with_qtensor.stdout
-    without = run("nothing")
     assert without.returncode == 0, without.stderr[-3000:]
     dynamic, quantized = without.stdout.split("\n")[:2]
     assert dynamic.startswith("loaded Parameter") and dynamic.endswith(" True"), dynamic  # the saved values, not quantized
@@ -522,13 +537,20 @@ print("qtensor" in auto.AUTO_QUANTIZER_MAPPING, "qtensor" in auto.AUTO_QUANTIZAT
 """
 
 
-def test_a_probe_for_transformers_before_its_import_keeps_the_registration():
+PROBE_THEN_IMPORT = workers.Background("probe_then_import", lambda folder: [([sys.executable, "-c", _PROBE_THEN_IMPORT], dict(os.environ))], timeout=600)
+
+
+@pytest.fixture
+def probe_then_import() -> subprocess.CompletedProcess:
+    """_PROBE_THEN_IMPORT run in a fresh interpreter (started early: workers.Background)."""
+    (done,) = PROBE_THEN_IMPORT.wait()
+    return done
+
+
+def test_a_probe_for_transformers_before_its_import_keeps_the_registration(probe_then_import):
     """Libraries probe with `importlib.util.find_spec("transformers")` before importing it: the
     probe must not use up the hook `import qtensor` leaves, so the later import still registers."""
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, "-c", _PROBE_THEN_IMPORT], capture_output=True, text=True)
+    result = probe_then_import
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "True"], result.stdout
 
@@ -544,16 +566,23 @@ print("qtensor" in auto.AUTO_QUANTIZER_MAPPING, "qtensor" in auto.AUTO_QUANTIZAT
 """
 
 
-def test_import_qtensor_then_peft_registers_with_transformers():
+QTENSOR_THEN_PEFT = workers.Background("qtensor_then_peft", lambda folder: [([sys.executable, "-c", _QTENSOR_THEN_PEFT], dict(os.environ))], timeout=600)
+
+
+@pytest.fixture
+def qtensor_then_peft() -> subprocess.CompletedProcess:
+    """_QTENSOR_THEN_PEFT run in a fresh interpreter (started early: workers.Background)."""
+    pytest.importorskip("peft")
+    (done,) = QTENSOR_THEN_PEFT.wait()
+    return done
+
+
+def test_import_qtensor_then_peft_registers_with_transformers(qtensor_then_peft):
     """The LoRA flow's imports, qtensor first: peft imports transformers, whose registration hook
     imports qtensor.hf while peft is half imported. qtensor.hf imports nothing that imports peft
     (its Trainer side loads at first use), so the registration holds and QTensorTrainer still
     imports."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("peft")
-    result = subprocess.run([sys.executable, "-c", _QTENSOR_THEN_PEFT], capture_output=True, text=True)
+    result = qtensor_then_peft
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "True", "True"], result.stdout
 

@@ -27,11 +27,14 @@ def _launched(tmp_path_factory, script: str):
     return torch.load(out)
 
 
+RUN = workers.Background("results", workers.rank_commands("hf_fsdp_case.py", world=2), timeout=240)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results():
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    return _launched(tmp_path_factory, "hf_fsdp_case.py")
+    return torch.load(RUN.results() / "results.pt")
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])

@@ -23,21 +23,24 @@ import workers  # noqa: E402
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
+# The 4-rank and the 2-rank run of every scenario, the longest waits of the suite, start while the
+# tests before this module's run: workers.Background.
+TWO_D = workers.Background("two_d", workers.rank_commands("tp_cases.py", world=4), timeout=600)
+RUN = workers.Background("distributed", workers.rank_commands("tp_cases.py", world=2), timeout=400)
+
+
 @pytest.fixture(scope="module")
-def two_d(tmp_path_factory):
+def two_d():
     """4 ranks on a 2 x 2 ("dp", "tp") mesh (tp_cases.run_two_d), and where they saved checkpoints."""
     if tp_cases.DEVICE == "cuda" and torch.cuda.device_count() < 4:
         pytest.skip(f"the 2 x 2 mesh takes 4 GPUs, one per NCCL rank; this machine has {torch.cuda.device_count()}")
-    out = tmp_path_factory.mktemp("tp2d") / "results.pt"
-    workers.launch("tp_cases.py", out, world=4, timeout=600)
-    return torch.load(out, weights_only=False), out.parent
+    folder = TWO_D.results()
+    return torch.load(folder / "results.pt", weights_only=False), folder
 
 
 @pytest.fixture(scope="module")
-def distributed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "results.pt"
-    workers.launch("tp_cases.py", out, world=2, timeout=400)
-    return torch.load(out, weights_only=False)
+def distributed():
+    return torch.load(RUN.results() / "results.pt", weights_only=False)
 
 
 def assert_trains_like_one_process(parallel: dict, single: dict, fp8: bool) -> None:
@@ -269,28 +272,41 @@ def test_a_2x2_checkpoint_loads_into_4x1_and_into_one_process_bit_for_bit(two_d,
         assert any(name.endswith(":columnwise") for name in saved)
 
 
-def test_the_main_job_with_tp_2_over_4_ranks_trains_and_reports_the_collectives_bytes(capsys):
-    """`torchrun --nproc-per-node 4 -m qtensor.demo --tp 2`: FSDP2 over 2 x tensor parallelism over 2."""
-    import subprocess
+_BATCH, _LENGTH, _D_MODEL = 4, 16, 64
+_DEMO_ARGUMENTS = ["--steps", "3", "--d-model", str(_D_MODEL), "--layers", "1", "--batch", str(_BATCH), "--length", str(_LENGTH),
+                   "--spread-seeds", "0", "--only", "nvfp4", "mxfp8,"]
 
-    from qtensor import demo
 
-    batch, length, d_model = 4, 16, 64
-    arguments = ["--steps", "3", "--d-model", str(d_model), "--layers", "1", "--batch", str(batch), "--length", str(length),
-                 "--spread-seeds", "0", "--only", "nvfp4", "mxfp8,"]
+def _torchrun_demo(folder) -> list:
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(workers.free_port()),
-               "-m", "qtensor.demo", "--tp", "2", "--device", "cpu", *arguments]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return [([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(workers.free_port()),
+              "-m", "qtensor.demo", "--tp", "2", "--device", "cpu", *_DEMO_ARGUMENTS], env)]
+
+
+TORCHRUN_DEMO = workers.Background("torchrun_demo", _torchrun_demo, timeout=300)
+
+
+@pytest.fixture
+def torchrun_demo():
+    """The main job under torchrun on 4 ranks with --tp 2 (started early: workers.Background)."""
+    (done,) = TORCHRUN_DEMO.wait()
+    return done
+
+
+def test_the_main_job_with_tp_2_over_4_ranks_trains_and_reports_the_collectives_bytes(torchrun_demo, capsys):
+    """`torchrun --nproc-per-node 4 -m qtensor.demo --tp 2`: FSDP2 over 2 x tensor parallelism over 2."""
+    from qtensor import demo
+
+    done = torchrun_demo
     assert done.returncode == 0, done.stderr[-4000:]
     assert "2-way FSDP2 x 2-way tensor parallel" in done.stderr
     rows = workers.demo_rows(done.stdout)
-    demo.main([*arguments, "--device", "cpu"])
+    demo.main([*_DEMO_ARGUMENTS, "--device", "cpu"])
     single = workers.demo_rows(capsys.readouterr().out)
     # The MLP's all-reduces, per step: linear2's bf16 output in the forward, and the float32 gradient of
     # linear1's input (the LayerNorm's float32 output) in the backward.
-    all_reduced = batch * length * d_model * (2 + 4) / 1024
+    all_reduced = _BATCH * _LENGTH * _D_MODEL * (2 + 4) / 1024
     # Partial sums rounded per rank: the losses agree with one process to the printed rounding's
     # neighbourhood; NVFP4's stochastic rounding draws by position within each rank's shard of the
     # gradient (docs/tensor-parallel.md), so its run differs from one process by other random draws.
