@@ -5,6 +5,7 @@ which version of its weight was recorded last)."""
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -115,7 +116,7 @@ class LinearQuantizers:
             return True
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return all(getattr(self, name) == getattr(other, name) for name in _COMPARED)
+        return _compared(self) == _compared(other)
 
     def __post_init__(self):
         # The one write a frozen dataclass allows itself: a field derived from the others at construction.
@@ -174,7 +175,8 @@ class LinearQuantizers:
             yield
 
 
-_COMPARED = tuple(f.name for f in fields(LinearQuantizers) if f.compare)
+# The compared fields' values as one tuple (element by element, as the dataclass's own comparison).
+_compared = operator.attrgetter(*(f.name for f in fields(LinearQuantizers) if f.compare))
 
 
 def carries_quantizers(tensor) -> bool:
