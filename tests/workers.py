@@ -24,10 +24,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script: str, out, world: int = 2, timeout: int = 240) -> None:
-    """Run `tests/<script> OUT` as `world` ranks; fail with their output unless all succeed."""
+def _rank_environment(world: int) -> dict:
+    """The environment of `world` ranks on this machine (a free port, one thread each), qtensor importable."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    return env
+
+
+def launch(script: str, out, world: int = 2, timeout: int = 240) -> None:
+    """Run `tests/<script> OUT` as `world` ranks; fail with their output unless all succeed."""
+    env = _rank_environment(world)
     workers = [
         subprocess.Popen([sys.executable, os.path.join(HERE, script), str(out)], env=dict(env, RANK=str(rank)),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -41,8 +47,7 @@ def rank_commands(script: str, world: int = 2):
     """For `Background`: `world` ranks of `tests/<script> OUT`, OUT being results.pt in the run's folder."""
 
     def commands(folder: pathlib.Path) -> list:
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+        env = _rank_environment(world)
         return [([sys.executable, os.path.join(HERE, script), str(folder / "results.pt")], dict(env, RANK=str(rank))) for rank in range(world)]
 
     return commands
