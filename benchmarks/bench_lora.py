@@ -1,7 +1,7 @@
 """LoRA fine-tuning over a frozen base: peak memory and tokens/s by the base's format (GPU).
 
     python benchmarks/bench_lora.py [--systems bf16,float8_rowwise,nvfp4,nf4] [--steps 10] [--seq 2048]
-                                    [--batch 1] [--checkpointing] [--compile [--cuda-graphs]] [--tiny]
+                                    [--batch 1] [--checkpointing] [--compile [--cuda-graphs]] [--chunked-loss N] [--tiny]
 
 A Llama-shaped model of about 1.1B parameters (hidden 2048, 22 blocks, MLP 5632, 32 heads, 4 KV
 heads, vocabulary 32000; random weights) in bf16, its blocks' linear weights then held in the
@@ -23,7 +23,11 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
 checkpointing, non-reentrant), for every system; `--compile` compiles each block
 (`torch.compile`), and with `--cuda-graphs` replays each compiled block as CUDA graphs
 (`mode="reduce-overhead"`: the host launches a block's kernels in one call). `--tiny` runs a two-block model of width 256 (on the CPU too, `--device
-cpu`) to check the script. Prints tokens/s, × bf16 and peak GiB per system, and the bytes a forward saves for the backward
+cpu`) to check the script. `--chunked-loss N` computes the loss over N chunks of the sequence, each
+chunk's logits made by the head and consumed by the cross-entropy inside an activation checkpoint
+(`chunked_loss`): no [tokens, vocabulary] logits are kept for the backward, or ever whole in fp32
+(the memory-saving losses of torchtune and Liger do the same), for every system alike; by default
+the model computes its own loss (transformers', over the whole logits upcast to fp32). Prints tokens/s, × bf16 and peak GiB per system, and the bytes a forward saves for the backward
 per token (activations: every tensor autograd saves, less the model's parameters and the held
 weights' own buffers; measured with saved-tensor hooks, so on the CPU too).
 """
@@ -37,6 +41,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -79,16 +84,35 @@ def build(system: str, shape: str, device: str, checkpointing: bool = False, com
     return model
 
 
-def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpointing: bool = False, compiled: bool | str = False, batch: int = 1) -> dict:
+def chunked_loss(model, tokens: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The model's next-token loss (mean cross-entropy over the shifted labels, as transformers' own),
+    from its last hidden states in `chunks` pieces of the sequence: each piece's logits made by the
+    head and consumed by the loss in an activation checkpoint, so that only the hidden states are
+    kept for the backward and one piece's logits exist at a time."""
+    causal_lm = model.get_base_model()
+    hidden = causal_lm.model(input_ids=tokens).last_hidden_state[:, :-1]
+    labels = tokens[:, 1:]
+
+    def piece(h, y):
+        return nn.functional.cross_entropy(causal_lm.lm_head(h).float().flatten(0, 1), y.flatten(), reduction="sum")
+
+    total = sum(torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False) for h, y in zip(hidden.chunk(chunks, 1), labels.chunk(chunks, 1)))
+    return total / labels.numel()
+
+
+def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpointing: bool = False, compiled: bool | str = False, batch: int = 1, chunks: int = 0) -> dict:
     model = build(system, shape, device, checkpointing, compiled)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     tokens = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), device=device)
+
+    def loss_of(tokens):
+        return chunked_loss(model, tokens, chunks) if chunks else model(input_ids=tokens, labels=tokens).loss
 
     def step():
         if compiled == "reduce-overhead":  # a new step for the CUDA graphs' memory pool (torch's advice for training loops)
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = loss_of(tokens)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -105,7 +129,7 @@ def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpoi
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast(device, dtype=torch.bfloat16):
-        loss = model(input_ids=tokens, labels=tokens).loss
+        loss = loss_of(tokens)
     loss.backward()
     optimizer.zero_grad(set_to_none=True)
     saved_per_token = sum(saved.values()) / (batch * seq)
@@ -148,6 +172,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: mode='reduce-overhead' (CUDA graphs)")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--chunked-loss", type=int, default=0, metavar="N", help="the loss over N chunks of the sequence, logits recomputed")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
@@ -155,12 +180,13 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     compiled = "reduce-overhead" if args.compile and args.cuda_graphs else args.compile
     options = (", gradient checkpointing" if args.checkpointing else "") + (", blocks compiled" if args.compile else "") + (" as CUDA graphs" if compiled == "reduce-overhead" else "")
+    options += f", loss in {args.chunked_loss} chunks" if args.chunked_loss else ""
     print(f"{name}, torch {torch.__version__}; LoRA r16 over a {shape} Llama, batch {args.batch} of sequence {args.seq}{options}, median of {args.steps} steps")
     print(f"{'system':<24} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9} {'saved KiB/token':>16}")
     base = None
     for system in args.systems.split(","):
         try:
-            row = measure(system, shape, args.device, args.seq, args.steps, args.checkpointing, compiled, args.batch)
+            row = measure(system, shape, args.device, args.seq, args.steps, args.checkpointing, compiled, args.batch, args.chunked_loss)
         except Exception as error:  # one system's failure is a row
             print(f"{system:<24} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
             continue

@@ -7,7 +7,8 @@ A chain of `--layers` bias-free 64×64 linear layers, frozen, in bf16 or held qu
 the compute is negligible, so the median time a call takes is the compiled code's host work (its
 guards, its wrapper's unwrapping of each quantized weight, its kernels' launches). Then the cost of
 one flatten of a quantized weight, one comparison of its flatten context with a copy (what a guard
-does) and one read of an inner tensor.
+does), one read of an inner tensor, one of the guards' hasattr probes (five a weight a call) and
+the size() and stride() the wrapper reads.
 """
 
 import argparse
@@ -67,7 +68,9 @@ def main() -> None:
     guarded = copy.deepcopy(context)
     name = weight.__tensor_flatten__()[0][0]
     for what, fn in [("flatten", weight.__tensor_flatten__), ("context == copy", lambda: context == guarded),
-                     (f"read {name}", lambda: getattr(weight, name))]:
+                     (f"read {name}", lambda: getattr(weight, name)),
+                     ("hasattr probe", lambda: hasattr(weight, "_dynamo_dynamic_indices")),
+                     ("size() and stride()", lambda: (weight.size(), weight.stride()))]:
         print(f"{what:<24} {per_call_us(fn, 20000, lambda: None):6.2f} us")
 
 

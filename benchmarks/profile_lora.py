@@ -4,8 +4,10 @@ time, for each system (GPU).
     python benchmarks/profile_lora.py [--systems bf16,float8_current] [--batch 4] [--top 15] [--compile]
 
 Each system's step is also timed without the profiler (median of 5), so the GPU's time in a step
-reads against the step's wall time: where the wall time is longer, the GPU waited on the host.
-`--compile` compiles each block, as bench_lora.py's `--compile` (with `--cuda-graphs`, as CUDA graphs). `--host N` profiles the host
+reads against the step's wall time: where the wall time is longer, the GPU waited on the host; and
+so is the host's own time, until step() returns with the step queued.
+`--compile` compiles each block, as bench_lora.py's `--compile` (with `--cuda-graphs`, as CUDA graphs). `--trace DIR` also
+writes one step's host and GPU timeline per system (a Chrome trace). `--host N` profiles the host
 instead: the N functions with the most own time in one step (cProfile) and the N operators with the
 most host time (the profiler's CPU activity), where a step's wall time exceeds its GPU time.
 """
@@ -32,14 +34,15 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: mode='reduce-overhead'")
     parser.add_argument("--host", type=int, default=0, metavar="N", help="profile the host: top N functions and operators")
+    parser.add_argument("--trace", metavar="DIR", help="also write each system's step as a Chrome trace (host and GPU) into DIR")
     args = parser.parse_args()
     for system in args.systems.split(","):
         compiled = "reduce-overhead" if args.compile and args.cuda_graphs else args.compile
-        profile(system, args.batch, args.seq, args.top, compiled, args.host)
+        profile(system, args.batch, args.seq, args.top, compiled, args.host, args.trace)
         torch.cuda.empty_cache()
 
 
-def profile(system: str, batch: int, seq: int, top: int, compiled: bool | str = False, host: int = 0) -> None:
+def profile(system: str, batch: int, seq: int, top: int, compiled: bool | str = False, host: int = 0, trace: str | None = None) -> None:
     model = build(system, "1b", "cuda", checkpointing=True, compiled=compiled)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     tokens = torch.randint(0, SHAPES["1b"]["vocab_size"], (batch, seq), device="cuda")
@@ -56,13 +59,21 @@ def profile(system: str, batch: int, seq: int, top: int, compiled: bool | str = 
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    times = []
+    times, queued = [], []
     for _ in range(5):
         start = time.perf_counter()
         step()
+        queued.append(time.perf_counter() - start)  # the host's own time, until the step is queued
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     wall = sorted(times)[2] * 1e3
+    print(f"== {system}: {wall:.1f} ms of wall time a step, the host done after {sorted(queued)[2] * 1e3:.1f} ms (medians of 5)", flush=True)
+    if trace:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        os.makedirs(trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace, system.replace(" ", "_") + ".json"))
     if host:
         profile_host(system, step, wall, host)
         return

@@ -242,6 +242,41 @@ def test_a_held_weight_is_flattened_once_across_compiled_calls(recipe, monkeypat
 
 
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
+@pytest.mark.parametrize("recipe", ["float8_current", "float8_delayed", "nvfp4"])
+def test_compiled_codes_metadata_reads_and_probes_of_a_weight_skip_its_routing(recipe, weights, monkeypatch):
+    """At every call, compiled code asks each quantized input for its size() and stride() (the
+    wrapper) and probes it with hasattr for names such as `_dynamo_dynamic_indices` (the guards).
+    These are answered as torch answers them, without the layer's routing or the inner-tensor
+    lookup: `__getattr__` refuses a name that begins with "_" at once, and no inner tensor is read
+    through it by such a name (a dynamic weight's `_data` is an attribute of its own)."""
+    from qtensor.layers import routing
+    from qtensor.layers.weight import LayerWeight
+
+    model = mlp(recipe, weights)
+    weight = model[0].weight
+    x = torch.randn(16, 64)
+    model(x).sum().backward()  # a delayed layer's running state exists from its first step
+    names, _ = weight.__tensor_flatten__()
+    assert names and all(name in vars(weight) for name in names if name.startswith("_"))
+    if recipe == "float8_delayed":
+        assert any(name.startswith("state__") for name in names)
+    plain = torch.empty(weight.shape, dtype=weight.dtype)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"routed or looked up: {args[:2]}")
+
+    monkeypatch.setattr(routing, "route", refuse)
+    monkeypatch.setattr(routing, "torch_function", refuse)
+    monkeypatch.setattr(LayerWeight, "_data_attribute", refuse)
+    assert (weight.size(), weight.stride(), weight.shape, weight.dim()) == (plain.size(), plain.stride(), plain.shape, plain.dim())
+    assert (weight.dtype, weight.device, weight.requires_grad, weight.ndim, weight.numel()) == (plain.dtype, plain.device, True, 2, plain.numel())
+    for probe in ("_dynamo_dynamic_indices", "_dynamo_static_indices", "__missing__"):
+        assert not hasattr(weight, probe)
+    with pytest.raises(AttributeError, match="has no attribute '_dynamo_unbacked_indices'"):
+        weight._dynamo_unbacked_indices
+
+
+@pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 @pytest.mark.parametrize("recipe", ["float8_current", "float8_delayed", "mxfp8"])
 def test_blocks_compiled_one_by_one_share_their_graphs_and_train_as_eager(recipe, weights):
     """torchtitan compiles each block of a model on its own. Identical quantized blocks differ only in

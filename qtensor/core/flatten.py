@@ -11,6 +11,12 @@ to the graph. For a held weight that is a few times per weight per step, so both
 - the flatten answer is kept on the tensor (`FlattenCache`) and given again while the storages,
   the shared tensor-wide buffers and the objects the context carries are the same ones; anything
   else (a storage replaced, a buffer that stopped being shared, another quantizer) computes it again.
+- no inner tensor is read through `__getattr__` by a name that begins with "_" (the storages'
+  buffers, `state__`, `cast__`; a dynamic weight's `_data` is an attribute of its own), so the
+  classes' `__getattr__` refuse such a name at once: torch.compile's guards probe every quantized
+  input with `hasattr` for five of them (`_dynamo_dynamic_indices`, ...) at each call.
+- size(), stride() and the other metadata reads of `METADATA_READS`, which compiled code's wrapper
+  makes for each quantized input at every call, skip the classes' routing in `__torch_function__`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,21 @@ import torch
 
 from .plan import storage_plan
 from .storage import DIRECTIONS
+
+
+# Metadata reads that qtensor answers as torch does (the wrapper subclass's own sizes, strides, dtype
+# and device): the quantized tensors' and layer weights' `__torch_function__` run them at once.
+_BASE = torch._C.TensorBase
+METADATA_READS = frozenset(
+    [_BASE.size, _BASE.stride, _BASE.dim, _BASE.numel, _BASE.is_contiguous]
+    + [getattr(_BASE, name).__get__ for name in ("shape", "dtype", "device", "requires_grad", "ndim", "layout", "is_cuda")]
+)
+
+
+def read_metadata(func, args, kwargs):
+    """One of `METADATA_READS`, on the wrapper subclass's own metadata (no subclass's routing)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
 
 def inner_names(tensor, shared: tuple[str, ...]) -> list[str]:

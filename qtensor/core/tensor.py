@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .kernels import is_fake, skipped_by_compiler
 from .numerics import FP8_DTYPES
-from .flatten import cached_flatten, inner_names, inner_tensor
+from .flatten import METADATA_READS, cached_flatten, inner_names, inner_tensor, read_metadata
 from .plan import TENSOR_CLASSES, TensorPlan
 from .quantizer import DTYPES_BY_NAME, Quantizer, quantizer_from_dict
 from .storage import DIRECTIONS, Storage
@@ -89,6 +89,8 @@ class QuantizedTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in METADATA_READS:
+            return read_metadata(func, args, kwargs)
         if func is torch.Tensor.__setitem__ and isinstance(args[0], QuantizedTensor):
             return args[0].assign(args[1], args[2])
         if func is torch.Tensor.storage:
@@ -296,6 +298,8 @@ class QuantizedTensor(torch.Tensor):
     def __getattr__(self, name):
         # An inner tensor not yet a property of the class (flatten.py). Not compiled as a frame of
         # its own (skipped below, without a wrapper's cost): compiled code's guards and wrapper call it.
+        if name.startswith("_"):  # no inner tensor is read here by such a name (flatten.py): torch's probes, answered at once
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return inner_tensor(self, name)
 
     __getattr__ = skipped_by_compiler(__getattr__, recursive=False)

@@ -26,7 +26,7 @@ from .config import LinearQuantizers
 from ..core.kernels import skipped_by_compiler
 from ..core.ops import byte_compatible, copy_storages
 from ..core.placement import LayerPlacement
-from ..core.flatten import inner_tensor
+from ..core.flatten import METADATA_READS, inner_tensor, read_metadata
 from ..core.plan import TENSOR_CLASSES
 from ..core.tensor import QuantizedTensor, traced_reduction
 
@@ -59,9 +59,13 @@ class LayerWeight:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # The layer's linear where `func` means it, plain-tensor semantics otherwise.
+        if func in METADATA_READS:
+            return read_metadata(func, args, kwargs or {})
         return routing.torch_function(func, args, kwargs or {})
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # no inner tensor is read here by such a name (core/flatten.py): torch's probes, answered at once
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         if traced_state.is_state_name(name):
             return traced_state.inner_tensor(self, name)
         return self._data_attribute(name)
@@ -91,6 +95,8 @@ class QuantizedWeight(LayerWeight):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # The layer's linear where `func` means it; otherwise what the format's tensor does.
+        if func in METADATA_READS:
+            return read_metadata(func, args, kwargs or {})
         result = routing.route(func, args, kwargs or {})
         if result is not NotImplemented:
             return result
@@ -181,6 +187,8 @@ class QuantizedWeight(LayerWeight):
     def __getattr__(self, name):
         # One frame the compiler skips (not LayerWeight's, which would be a second): compiled code's
         # guards and wrapper read the inner tensors that are not properties (flatten.py) through here.
+        if name.startswith("_"):  # no inner tensor is read here by such a name (core/flatten.py): torch's probes, answered at once
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         if name.startswith("cast__") and self.gathered_cast is not None:
             return self.gathered_cast.notes[int(name.removeprefix("cast__"))][1]
         if traced_state.is_state_name(name):
