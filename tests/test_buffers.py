@@ -5,6 +5,7 @@ against the tensor they were cut from, and the flatten context against torch.com
 (hashable, compared by value, no shape, no tensors).
 """
 
+import copy
 import math
 
 import pytest
@@ -164,6 +165,14 @@ def test_quantizers_compare_and_hash_by_configuration():
     delayed.quantize(sample(8, 8))
     assert hash(delayed) == before and delayed == qtensor.Float8Quantizer(scaling="delayed")  # state is not configuration
     assert len({qtensor.NVFP4Quantizer(), qtensor.NVFP4Quantizer(), qtensor.NVFP4Quantizer(rht=True)}) == 2
+    # Equal quantizers share one kept key (compared by identity at every compiled call); a changed
+    # option makes the key again, and the quantizers then differ; changed back, they are equal again.
+    a, b = qtensor.MXFP8Quantizer(), copy.deepcopy(qtensor.MXFP8Quantizer())
+    assert a == b and a.config_key() is b.config_key()
+    b.scale_rounding = "floor"
+    assert a != b and b == qtensor.MXFP8Quantizer(scale_rounding="floor")
+    b.scale_rounding = a.scale_rounding
+    assert a == b and a.config_key() is b.config_key()
 
 
 def _contains_tensor(value) -> bool:

@@ -39,6 +39,11 @@ def _fresh(quantizer: "Quantizer") -> "Quantizer":
     return type(quantizer)(**{k: _fresh(v) if isinstance(v, Quantizer) else v for k, v in quantizer.config().items()})
 
 
+# One key object for each configuration kept by a quantizer (`config_key`): two quantizers of one
+# configuration then compare by identity, as a compiled graph's guards compare a weight's at every call.
+_KEYS: dict[tuple, tuple] = {}
+
+
 class Quantizer:
     """Turns a high-precision tensor into a QuantizedTensor of one format.
 
@@ -77,6 +82,10 @@ class Quantizer:
             config = self.config()
             key = (type(self).__name__, tuple((n, v.config_key() if isinstance(v, Quantizer) else v) for n, v in config.items()))
             if not any(isinstance(v, Quantizer) for v in config.values()):
+                try:
+                    key = _KEYS.setdefault(key, key)
+                except TypeError:  # a new format's unhashable option: compared by value only
+                    pass
                 self.__dict__["_config_key"] = key
         return key
 
@@ -88,7 +97,14 @@ class Quantizer:
     def __eq__(self, other) -> bool:
         # By value (two quantizers with one configuration make byte-compatible tensors), so that
         # torch.compile can guard on the quantizer a tensor carries.
-        return self is other or (isinstance(other, Quantizer) and self.config_key() == other.config_key())
+        if self is other:
+            return True
+        if not isinstance(other, Quantizer):
+            return False
+        mine, theirs = self.__dict__.get("_config_key"), other.__dict__.get("_config_key")
+        if mine is not None and mine is theirs:  # one kept key for each configuration (`_KEYS`)
+            return True
+        return self.config_key() == other.config_key()
 
     def __hash__(self) -> int:
         return hash(self.config_key())
