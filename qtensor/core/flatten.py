@@ -31,7 +31,8 @@ from .storage import DIRECTIONS
 
 
 # Metadata reads that qtensor answers as torch does (the wrapper subclass's own sizes, strides, dtype
-# and device): the quantized tensors' and layer weights' `__torch_function__` run them at once.
+# and device): the quantized tensors' and layer weights' `__torch_function__` run them at once, on
+# plain-tensor semantics (`plain`).
 _BASE = torch._C.TensorBase
 METADATA_READS = frozenset(
     [_BASE.size, _BASE.stride, _BASE.dim, _BASE.numel, _BASE.is_contiguous]
@@ -39,8 +40,8 @@ METADATA_READS = frozenset(
 )
 
 
-def read_metadata(func, args, kwargs):
-    """One of `METADATA_READS`, on the wrapper subclass's own metadata (no subclass's routing)."""
+def plain(func, args, kwargs):
+    """`func` on plain-tensor semantics (no subclass's __torch_function__ runs again)."""
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .kernels import is_fake, skipped_by_compiler
 from .numerics import FP8_DTYPES
-from .flatten import METADATA_READS, cached_flatten, inner_names, inner_tensor, read_metadata
+from .flatten import METADATA_READS, cached_flatten, inner_names, inner_tensor, plain
 from .plan import TENSOR_CLASSES, TensorPlan
 from .quantizer import DTYPES_BY_NAME, Quantizer, quantizer_from_dict
 from .storage import DIRECTIONS, Storage
@@ -90,7 +90,7 @@ class QuantizedTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in METADATA_READS:
-            return read_metadata(func, args, kwargs)
+            return plain(func, args, kwargs)
         if func is torch.Tensor.__setitem__ and isinstance(args[0], QuantizedTensor):
             return args[0].assign(args[1], args[2])
         if func is torch.Tensor.storage:
@@ -101,8 +101,7 @@ class QuantizedTensor(torch.Tensor):
             # A quantized layer's weight decides (F.linear of a quantized input runs the layer's
             # linear, which multiplies the input as it arrived): torch asks the weight's type next.
             return NotImplemented
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return plain(func, args, kwargs)
 
     def assign(self, index, value) -> None:
         """`self[index] = value`: dequantize, assign, requantize the whole tensor in place (an index

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import experts
 from .attention import multi_head_attention
+from ..core.flatten import plain
 from ..core.kernels import is_fake
 from .config import carries_quantizers
 from .linear import quantized_linear
@@ -122,12 +123,6 @@ def route(func, args, kwargs):
     if func is torch.autograd.grad:
         return _grad_through_edges(args, kwargs)
     return intercept(func, args, kwargs)
-
-
-def plain(func, args, kwargs):
-    """`func` on plain-tensor semantics (no subclass's __torch_function__ runs again)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
 
 
 _GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)

@@ -26,7 +26,7 @@ from .config import LinearQuantizers
 from ..core.kernels import skipped_by_compiler
 from ..core.ops import byte_compatible, copy_storages
 from ..core.placement import LayerPlacement
-from ..core.flatten import METADATA_READS, inner_tensor, read_metadata
+from ..core.flatten import METADATA_READS, inner_tensor, plain
 from ..core.plan import TENSOR_CLASSES
 from ..core.tensor import QuantizedTensor, traced_reduction
 
@@ -60,7 +60,7 @@ class LayerWeight:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # The layer's linear where `func` means it, plain-tensor semantics otherwise.
         if func in METADATA_READS:
-            return read_metadata(func, args, kwargs or {})
+            return plain(func, args, kwargs or {})
         return routing.torch_function(func, args, kwargs or {})
 
     def __getattr__(self, name):
@@ -96,7 +96,7 @@ class QuantizedWeight(LayerWeight):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # The layer's linear where `func` means it; otherwise what the format's tensor does.
         if func in METADATA_READS:
-            return read_metadata(func, args, kwargs or {})
+            return plain(func, args, kwargs or {})
         result = routing.route(func, args, kwargs or {})
         if result is not NotImplemented:
             return result
