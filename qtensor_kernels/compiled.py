@@ -215,23 +215,25 @@ def nvfp4_cast_op(
     rowwise: bool, columnwise: bool, block_2d: bool, rht: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     row, col = nvfp4.cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht)
-    flat = lambda pair, direction: _flat(pair, NVFP4Storage, direction, x.device, rht=rht)
+    flat = lambda pair, direction: _flat(pair, NVFP4Storage, direction, x.device, rht=rht, tile_scales=block_2d)
     return flat(row, "rowwise") + flat(col, "columnwise")
 
 
 @nvfp4_cast_op.register_fake
 def _(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht):
-    fake = lambda direction, present: _fake_direction(NVFP4Storage, direction, present, x, rht=rht)
+    fake = lambda direction, present: _fake_direction(NVFP4Storage, direction, present, x, rht=rht, tile_scales=block_2d)
     return fake("rowwise", rowwise) + fake("columnwise", columnwise)
 
 
 @torch.library.custom_op("qtensor::nvfp4_dequantize", mutates_args=())
-def nvfp4_dequantize_op(data: torch.Tensor, scale_inv: torch.Tensor, length: int, out_dtype: torch.dtype, global_amax: Optional[torch.Tensor]) -> torch.Tensor:
-    return nvfp4.dequantize(data, scale_inv, length, out_dtype, global_amax)
+def nvfp4_dequantize_op(
+    data: torch.Tensor, scale_inv: torch.Tensor, length: int, out_dtype: torch.dtype, global_amax: Optional[torch.Tensor], scale_rows: int
+) -> torch.Tensor:
+    return nvfp4.dequantize(data, scale_inv, length, out_dtype, global_amax, scale_rows=scale_rows)
 
 
 @nvfp4_dequantize_op.register_fake
-def _(data, scale_inv, length, out_dtype, global_amax):
+def _(data, scale_inv, length, out_dtype, global_amax, scale_rows):
     return data.new_empty((data.shape[0], length), dtype=out_dtype)
 
 
@@ -245,7 +247,7 @@ def hybrid_cast_op(
 
 @hybrid_cast_op.register_fake
 def _(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht):
-    return _fake_direction(MXFP8Storage, "rowwise", True, x, fp8_dtype=fp8_dtype) + _fake_direction(NVFP4Storage, "columnwise", True, x, rht=rht)
+    return _fake_direction(MXFP8Storage, "rowwise", True, x, fp8_dtype=fp8_dtype) + _fake_direction(NVFP4Storage, "columnwise", True, x, rht=rht, tile_scales=block_2d)
 
 
 # ---- the GEMM epilogue --------------------------------------------------------------------------
@@ -287,7 +289,9 @@ WRAPPERS = {
         nvfp4_cast_op(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht)
     ),
     "nvfp4.amaxes": nvfp4_amaxes_op,
-    "nvfp4.dequantize": lambda data, scale_inv, length, out_dtype, global_amax=None: nvfp4_dequantize_op(data, scale_inv, length, out_dtype, global_amax),
+    "nvfp4.dequantize": lambda data, scale_inv, length, out_dtype, global_amax=None, scale_rows=1: nvfp4_dequantize_op(
+        data, scale_inv, length, out_dtype, global_amax, scale_rows
+    ),
     "hybrid.cast": lambda x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht: _pairs(
         hybrid_cast_op(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht)
     ),

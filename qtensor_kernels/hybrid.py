@@ -26,7 +26,7 @@ def _cast_kernel(
 ):
     rows, cols, x = nvfp4._load_tile(x_ptr, M, N, stride_m, BLOCK_N, VEC)
     mxfp8._quantize_rows(x, rows, cols, tl.program_id(1), row_data_ptr, row_codes_ptr, row_data_ptr, M, N, 16, BLOCK_N, FP8_MAX, EMAX, E5M2, RCEIL, True, False)
-    nvfp4._cast_columns(x, col_amax_ptr, keys_ptr + 2, tl.program_id(0) * 8, (col_length + 1) // 2, cols, col_data_ptr, col_scale_ptr, col_data_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE, False)
+    nvfp4._cast_columns(x, col_amax_ptr, keys_ptr + 2, tl.program_id(0) * 8, (col_length + 1) // 2, cols, col_data_ptr, col_scale_ptr, col_data_ptr, N, col_length, BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE, False, BLOCK_2D)
 
 
 _CAST_TILE = (4, 8)  # (warps, bytes per thread and row), as nvfp4's: benchmarks/sweep_cast.py --nvfp4 on an H200
@@ -41,7 +41,7 @@ def cast(x, fp8_dtype, scale_rounding, column_amax, keys, block_2d, rht, tile=_C
         x = x.contiguous()
     col_length = NVFP4Storage.stored_length_for("columnwise", M, N, rht)
     row = MXFP8Storage.empty_buffers(("data", "scale_inv"), "rowwise", M, N, x.device, fp8_dtype=fp8_dtype)
-    col = NVFP4Storage.empty_buffers(("data", "scale_inv"), "columnwise", M, N, x.device, rht=rht)
+    col = NVFP4Storage.empty_buffers(("data", "scale_inv"), "columnwise", M, N, x.device, rht=rht, tile_scales=block_2d)
     if M and N:
         block_n, vec, warps = nvfp4._tile_columns(x, tile)
         launch(

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qtensor.formats.nvfp4 import _MIX_MULTIPLIERS, _RHT_NEGATIVE_MASK, NVFP4Storage
+from qtensor.formats.nvfp4 import _RHT_NEGATIVE_MASK, NVFP4Storage
+from qtensor.formats.nvfp4_draws import _MIX_MULTIPLIERS
 
 from .float8 import _like
 from .mxfp8 import _block_amax, _pow2
@@ -99,7 +100,7 @@ def _e2m1_stochastic(magnitude, draws):
 
 @triton.jit
 def _mix32(h):
-    """nvfp4.mix32 on uint32."""
+    """nvfp4_draws.mix32 on uint32."""
     h = ((h ^ (h >> 16)) * _MIX_A).to(tl.uint32)
     h = ((h ^ (h >> 15)) * _MIX_B).to(tl.uint32)
     return h ^ (h >> 15)
@@ -107,7 +108,7 @@ def _mix32(h):
 
 @triton.jit
 def _pair_draws(keys_ptr, row, pair, pairs_per_row, WIDE: tl.constexpr):
-    """nvfp4.uniform_draws of the pairs `pair` of rows `row` (broadcast together), under the keys at
+    """nvfp4_draws.uniform_draws of the pairs `pair` of rows `row` (broadcast together), under the keys at
     keys_ptr (k0, k1): (the draws of their first elements, of their second). Unless WIDE, every
     pair index is below 2**32: it is computed in 32 bits and its high word is 0."""
     k0 = tl.load(keys_ptr).to(tl.uint32)
@@ -185,11 +186,12 @@ def _load_tile(x_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N: tl.constexpr, INT32: tl.constexpr, VALUES: tl.constexpr):
+def _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N: tl.constexpr, INT32: tl.constexpr, VALUES: tl.constexpr, TILES: tl.constexpr):
     """The rowwise codes [16, BLOCK_N] of a tile into rows `rows` (those where `row_ok`) of data
     [M, ceil(N/2)] (as int32 [M, N/8] with INT32), its scale codes [16, BLOCK_N/16] into scale
-    [M, ceil(N/16)]; with VALUES also their values q · float(s) into values [M, N] (bf16 holds
-    them exactly: the dequantize kernel's, without the tensor scale)."""
+    [M, ceil(N/16)] (with TILES, whose 16 rows of codes are equal, one row of them into row
+    program_id(0) of scale [ceil(M/16), ceil(N/16)]); with VALUES also their values q · float(s)
+    into values [M, N] (bf16 holds them exactly: the dequantize kernel's, without the tensor scale)."""
     inside = row_ok[:, None]
     if VALUES:
         q = tl.reshape(_code_values(codes), (16, BLOCK_N // 16, 16)) * _e4m3_value(scale_code)[:, :, None]
@@ -206,14 +208,20 @@ def _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, values_ptr
         tl.store(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], (low | (high << 4)).to(tl.uint8), mask=inside & (byte_cols[None, :] < row_bytes))
     block_cols = tl.program_id(1) * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
     row_blocks = tl.cdiv(N, 16)
-    tl.store(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], scale_code.to(tl.uint8), mask=inside & (block_cols[None, :] < row_blocks))
+    if TILES:
+        tile_code = tl.max(scale_code, axis=0)  # the rows' codes are equal
+        tl.store(scale_ptr + tl.program_id(0).to(tl.int64) * row_blocks + block_cols, tile_code.to(tl.uint8), mask=block_cols < row_blocks)
+    else:
+        tl.store(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], scale_code.to(tl.uint8), mask=inside & (block_cols[None, :] < row_blocks))
 
 
 @triton.jit
-def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr, INT32: tl.constexpr, VALUES: tl.constexpr):
+def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr, INT32: tl.constexpr, VALUES: tl.constexpr, TILES: tl.constexpr):
     """The columnwise codes [16, BLOCK_N] of a tile (column n is row n of the stored matrix) into
     data [N, ceil(length/2)] (int32 [N, length/8] with INT32), its scale codes [BLOCK_N] into
-    scale [N, ceil(length/16)]; with VALUES also their values into values [N, length] (as _store_rows)."""
+    scale [N, ceil(length/16)] (with TILES, equal across each 16 columns, those of every 16th
+    column into scale [ceil(N/16), ceil(length/16)]); with VALUES also their values into values
+    [N, length] (as _store_rows)."""
     inside = cols[None, :] < N
     if VALUES:
         q = _code_values(codes) * _e4m3_value(scale_code)[None, :]
@@ -228,11 +236,14 @@ def _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, values_ptr, N, 
         byte_rows = tl.program_id(0) * 8 + tl.arange(0, 8)
         row_bytes = tl.cdiv(length, 2)
         tl.store(data_ptr + cols[None, :] * row_bytes + byte_rows[:, None], (low | (high << 4)).to(tl.uint8), mask=inside & (byte_rows[:, None] < row_bytes))
-    tl.store(scale_ptr + cols * tl.cdiv(length, 16) + tl.program_id(0), scale_code.to(tl.uint8), mask=cols < N)
+    if TILES:
+        tl.store(scale_ptr + (cols // 16) * tl.cdiv(length, 16) + tl.program_id(0), scale_code.to(tl.uint8), mask=(cols < N) & (cols % 16 == 0))
+    else:
+        tl.store(scale_ptr + cols * tl.cdiv(length, 16) + tl.program_id(0), scale_code.to(tl.uint8), mask=cols < N)
 
 
 @triton.jit
-def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, draw_rows, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
+def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, draw_rows, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr, TILES: tl.constexpr):
     """The rowwise copy of the tile x [16, BLOCK_N], blocks of 16 along each row with amaxes
     `amax` [16, BLOCK_N/16] (see _store_rows); the rows draw as rows `draw_rows` of the cast."""
     scale_code, encode = _block_encode(amax, _encode_scale(tl.load(s_enc_ptr)))
@@ -244,11 +255,11 @@ def _quantize_rows(x, amax, s_enc_ptr, keys_ptr, draw_rows, rows, row_ok, data_p
         draws = tl.reshape(tl.join(first, second), (16, BLOCK_N))
     codes = _e2m1_codes(tl.reshape(scaled, (16, BLOCK_N)), draws, STOCHASTIC)
     codes = tl.reshape(tl.where((scale_code == _E4M3_NAN)[:, :, None], 0, tl.reshape(codes, (16, BLOCK_N // 16, 16))), (16, BLOCK_N))
-    _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N, INT32, VALUES)
+    _store_rows(codes, scale_code, rows, row_ok, data_ptr, scale_ptr, values_ptr, N, BLOCK_N, INT32, VALUES, TILES)
 
 
 @triton.jit
-def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
+def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr, TILES: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N], one block down each column with amax
     `amax` [BLOCK_N] (see _store_columns); its pairs of rows draw as pairs pair_base.. of rows of
     `pairs_per_row` pairs."""
@@ -260,21 +271,21 @@ def _quantize_columns(x, amax, s_enc_ptr, keys_ptr, pair_base, pairs_per_row, co
         draws = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (16, BLOCK_N))
     codes = _e2m1_codes(x * encode[None, :], draws, STOCHASTIC)
     codes = tl.where((scale_code == _E4M3_NAN)[None, :], 0, codes)
-    _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N, INT32, VALUES)
+    _store_columns(codes, scale_code, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N, INT32, VALUES, TILES)
 
 
 @triton.jit
 def _quantize_tiles(x, s_enc_ptr, rows, row_ok, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, length,
-                    BLOCK_N: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr):
+                    BLOCK_N: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, TILES: tl.constexpr):
     """Both copies of the tile x [16, BLOCK_N] in 16x16 tiles, rounded to nearest: every element has
     one scale and one S_enc in both directions (no transform), so one code serves both copies."""
     scale_code, encode = _block_encode(_tile_amaxes(x, BLOCK_N), _encode_scale(tl.load(s_enc_ptr)))
     encode_cols = tl.reshape(tl.broadcast_to(encode[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     nan_cols = tl.reshape(tl.broadcast_to((scale_code == _E4M3_NAN)[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     codes = tl.where(nan_cols[None, :], 0, _e2m1_codes(x * encode_cols[None, :], x, False))
-    _store_rows(codes, tl.broadcast_to(scale_code[None, :], (16, BLOCK_N // 16)), rows, row_ok, row_data_ptr, row_scale_ptr, row_data_ptr, N, BLOCK_N, ROW_INT32, False)
+    _store_rows(codes, tl.broadcast_to(scale_code[None, :], (16, BLOCK_N // 16)), rows, row_ok, row_data_ptr, row_scale_ptr, row_data_ptr, N, BLOCK_N, ROW_INT32, False, TILES)
     scale_cols = tl.reshape(tl.broadcast_to(scale_code[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
-    _store_columns(codes, scale_cols, cols, col_data_ptr, col_scale_ptr, col_data_ptr, N, length, BLOCK_N, COL_INT32, False)
+    _store_columns(codes, scale_cols, cols, col_data_ptr, col_scale_ptr, col_data_ptr, N, length, BLOCK_N, COL_INT32, False, TILES)
 
 
 @triton.jit
@@ -285,16 +296,17 @@ def _tile_amaxes(x, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _cast_columns(x, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N: tl.constexpr,
-                  BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr):
+                  BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, INT32: tl.constexpr, WIDE: tl.constexpr, VALUES: tl.constexpr,
+                  TILES: tl.constexpr):
     """The columnwise copy of the tile x [16, BLOCK_N] (after the transform with RHT), one block
-    down each column, in one thread's registers."""
+    down each column, in one thread's registers; with TILES one scale per 16x16 tile (_store_columns)."""
     if BLOCK_2D:
         amax = tl.reshape(tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[:, None], (BLOCK_N // 16, 16)), (BLOCK_N,))
     if RHT:
         x = _hadamard_columns(x, BLOCK_N)
     if not BLOCK_2D:
         amax = _block_amax(tl.abs(x), 0)
-    _quantize_columns(x, amax, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N, STOCHASTIC, INT32, WIDE, VALUES)
+    _quantize_columns(x, amax, amax_ptr, keys_ptr, pair_base, pairs_per_row, cols, data_ptr, scale_ptr, values_ptr, N, length, BLOCK_N, STOCHASTIC, INT32, WIDE, VALUES, TILES)
 
 
 @triton.jit
@@ -308,7 +320,7 @@ def _cast_kernel(
     _cast_tile(
         x, rows, rows, rows < M, cols, row_amax_ptr, col_amax_ptr, keys_ptr, tl.program_id(0) * 8, (col_length + 1) // 2,
         row_data_ptr, row_scale_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, col_data_ptr, N, col_length,
-        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N, False, False,
+        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N, False, False, BLOCK_2D,
     )
 
 
@@ -318,25 +330,25 @@ def _cast_tile(
     row_data_ptr, row_scale_ptr, row_values_ptr, col_data_ptr, col_scale_ptr, col_values_ptr, N, col_length,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
     STOCHASTIC: tl.constexpr, ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr,
+    ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr, TILES: tl.constexpr,
 ):
     """Both copies of the tile x [16, BLOCK_N]: its rowwise codes into rows `rows` (where `row_ok`),
     drawing as rows `draw_rows`; its columnwise codes into run program_id(0) of the stored rows,
     drawing as pairs pair_base.. of rows of `pairs_per_row` pairs; with *_VALUES each copy's
-    values too (_store_rows, _store_columns)."""
+    values too; with TILES (and BLOCK_2D) one scale per tile (_store_rows, _store_columns)."""
     if BLOCK_2D and ROWWISE and COLUMNWISE and not STOCHASTIC and not ROW_VALUES and not COL_VALUES:  # one code per element serves both
-        _quantize_tiles(x, row_amax_ptr, rows, row_ok, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, ROW_INT32, COL_INT32)
+        _quantize_tiles(x, row_amax_ptr, rows, row_ok, cols, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, N, col_length, BLOCK_N, ROW_INT32, COL_INT32, TILES)
     else:
         if ROWWISE:  # blocks of 16 along each row: VEC elements in each of 16/VEC adjacent threads
             if BLOCK_2D:  # one amax per 16x16 tile, for both directions
                 amax = tl.broadcast_to(_tile_amaxes(x, BLOCK_N)[None, :], (16, BLOCK_N // 16))
             else:
                 amax = _block_amax(tl.reshape(tl.abs(x), (16, BLOCK_N // 16, 16)), 2)
-            _quantize_rows(x, amax, row_amax_ptr, keys_ptr, draw_rows, rows, row_ok, row_data_ptr, row_scale_ptr, row_values_ptr, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE, ROW_VALUES)
+            _quantize_rows(x, amax, row_amax_ptr, keys_ptr, draw_rows, rows, row_ok, row_data_ptr, row_scale_ptr, row_values_ptr, N, BLOCK_N, STOCHASTIC, ROW_INT32, WIDE, ROW_VALUES, TILES)
         if COLUMNWISE:
             _cast_columns(
                 x, col_amax_ptr, keys_ptr + 2, pair_base, pairs_per_row, cols, col_data_ptr, col_scale_ptr, col_values_ptr, N, col_length,
-                BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE, COL_VALUES,
+                BLOCK_N, BLOCK_2D, RHT, STOCHASTIC, COL_INT32, WIDE, COL_VALUES, TILES,
             )
 
 
@@ -371,12 +383,13 @@ def _kernel_view(pair, length):
 
 def cast(x, global_amax, column_amax, keys, rowwise, columnwise, block_2d, rht, tile=None):
     """((rowwise data, scales) or None, (columnwise data, scales) or None) of the 2-D `x`, shaped as
-    NVFP4Storage.layout declares them (the columnwise rows padded to whole runs of 16 with `rht`)."""
+    NVFP4Storage.layout declares them (the columnwise rows padded to whole runs of 16 with `rht`,
+    one scale per 16x16 tile with `block_2d`)."""
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     col_length = NVFP4Storage.stored_length_for("columnwise", M, N, rht)
-    new = lambda direction: NVFP4Storage.empty_buffers(("data", "scale_inv"), direction, M, N, x.device, rht=rht)
+    new = lambda direction: NVFP4Storage.empty_buffers(("data", "scale_inv"), direction, M, N, x.device, rht=rht, tile_scales=block_2d)
     row = new("rowwise") if rowwise else None
     col = new("columnwise") if columnwise else None
     if M and N:
@@ -421,7 +434,7 @@ def amaxes(x: torch.Tensor, tile=_AMAXES_TILE):
 
 
 @triton.jit
-def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCALE: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCALE: tl.constexpr, WORDS: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_bytes, row_blocks = tl.cdiv(C, 2), tl.cdiv(C, 16)
     byte_cols = tl.program_id(1) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
@@ -435,7 +448,7 @@ def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCAL
         packed = tl.load(data_ptr + rows[:, None] * row_bytes + byte_cols[None, :], mask=(rows[:, None] < R) & (byte_cols[None, :] < row_bytes), other=0).to(tl.int32)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_C))
     q = _code_values(codes)
-    scale_codes = tl.load(scale_ptr + rows[:, None] * row_blocks + block_cols[None, :], mask=block_mask, other=0)
+    scale_codes = tl.load(scale_ptr + (rows[:, None] // SCALE_ROWS) * row_blocks + block_cols[None, :], mask=block_mask, other=0)
     scale = _e4m3_value(scale_codes.to(tl.int32))
     values = tl.reshape(tl.reshape(q, (BLOCK_R, BLOCK_C // 16, 16)) * scale[:, :, None], (BLOCK_R, BLOCK_C))
     if TENSOR_SCALE:
@@ -445,9 +458,10 @@ def _dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, C, TENSOR_SCAL
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (cols[None, :] < C))
 
 
-def dequantize(data, scale_inv, length: int, out_dtype: torch.dtype, global_amax=None, block=None) -> torch.Tensor:
+def dequantize(data, scale_inv, length: int, out_dtype: torch.dtype, global_amax=None, block=None, scale_rows: int = 1) -> torch.Tensor:
     """[R, length] values of packed codes `data` [R, ceil(length/2)] with E4M3 block scales
-    `scale_inv` [R, ceil(length/16)]: q * float(s), times 1/S_enc when `global_amax` is given (the
+    `scale_inv` [ceil(R/scale_rows), ceil(length/16)] (a row of them for each `scale_rows` rows:
+    16 for scales per 16x16 tile): q * float(s), times 1/S_enc when `global_amax` is given (the
     reference's order), rounded once to `out_dtype`."""
     R = data.shape[0]
     out = torch.empty((R, length), dtype=out_dtype, device=data.device)
@@ -456,7 +470,7 @@ def dequantize(data, scale_inv, length: int, out_dtype: torch.dtype, global_amax
         launch(
             _dequantize_kernel, (triton.cdiv(R, block_r), triton.cdiv(length, block_c)),
             data.contiguous().view(torch.int64) if length % 16 == 0 else data.contiguous(), scale_inv.contiguous().view(torch.uint8), global_amax if global_amax is not None else data, out, R, length,
-            TENSOR_SCALE=global_amax is not None, WORDS=length % 16 == 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False,
+            TENSOR_SCALE=global_amax is not None, WORDS=length % 16 == 0, SCALE_ROWS=scale_rows, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False,
         )
     return out
 

@@ -73,7 +73,7 @@ def _cast_kernel(
     row_data_ptr, row_scale_ptr, row_values_ptr, col_data_ptr, col_scale_ptr, col_values_ptr, col_length,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr,
     ROW_INT32: tl.constexpr, COL_INT32: tl.constexpr, WIDE: tl.constexpr, G_POW2: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr,
-    ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr,
+    ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr, TILES: tl.constexpr,
 ):
     group, start, length, tile = _tile_of_group(ends_ptr, G, G_POW2)
     if group >= G:
@@ -84,7 +84,7 @@ def _cast_kernel(
     nvfp4._cast_tile(
         x, in_group, rows, row_ok, cols, row_amax_ptr + group, col_amax_ptr + group, keys_ptr + group * 4, tile * 8,
         ((stored + 1) // 2).to(tl.int32), row_data_ptr, row_scale_ptr, row_values_ptr, col_data_ptr, col_scale_ptr, col_values_ptr, N, col_length,
-        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N, ROW_VALUES, COL_VALUES,
+        ROWWISE, COLUMNWISE, BLOCK_2D, RHT, STOCHASTIC, ROW_INT32, COL_INT32, WIDE, BLOCK_N, ROW_VALUES, COL_VALUES, TILES,
     )
 
 
@@ -110,21 +110,22 @@ def amaxes(x: torch.Tensor, ends: torch.Tensor, lengths: tuple[int, ...], transf
     return out
 
 
-def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_2d, rht, values=(False, False), tile=None):
+def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_2d, rht, values=(False, False), tile=None, tiles=False):
     """((rowwise data, scales[, values]) or None, (columnwise data, scales[, values]) or None) of the
     routed rows `x` [M, N] (M the groups' rows) in `lengths` (their `ends` on the device), each
     group at its global amax (`row_amax`, `col_amax` [G]) and, given `keys` [G, 4], with its own
     keys: the rowwise copy as NVFP4Storage lays out [M, N], the columnwise copy as it lays out the
     groups' rows each run on to a multiple of 16 ([16 · runs, N]); where `values` asks (rowwise,
     columnwise) a copy also comes with its bf16 values q · float(s), [M, N] or [N, 16 · runs]
-    (bf16_operand's, written by the cast instead of a dequantize pass after it)."""
+    (bf16_operand's, written by the cast instead of a dequantize pass after it). With `tiles` (16x16
+    tiles, every group whole tiles) both copies hold one scale per tile."""
     M, N = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     runs = _runs(lengths)
     col_length = 16 * runs
-    row = NVFP4Storage.empty_buffers(("data", "scale_inv"), "rowwise", M, N, x.device, rht=rht) if rowwise else None
-    col = NVFP4Storage.empty_buffers(("data", "scale_inv"), "columnwise", col_length, N, x.device, rht=rht) if columnwise else None
+    row = NVFP4Storage.empty_buffers(("data", "scale_inv"), "rowwise", M, N, x.device, rht=rht, tile_scales=tiles) if rowwise else None
+    col = NVFP4Storage.empty_buffers(("data", "scale_inv"), "columnwise", col_length, N, x.device, rht=rht, tile_scales=tiles) if columnwise else None
     row_values = torch.empty((M, N), dtype=torch.bfloat16, device=x.device) if rowwise and values[0] else None
     col_values = torch.empty((N, col_length), dtype=torch.bfloat16, device=x.device) if columnwise and values[1] else None
     if runs and N:
@@ -144,7 +145,7 @@ def cast(x, ends, lengths, row_amax, col_amax, keys, rowwise, columnwise, block_
             *(nvfp4._kernel_view(col, col_length) if col else some), col_values if col_values is not None else some[0], col_length,
             ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, RHT=rht, STOCHASTIC=keys is not None,
             ROW_INT32=N % 8 == 0, COL_INT32=col_length % 8 == 0, WIDE=nvfp4._wide_pairs(longest, N, -(-longest // 16) * 16),
-            G_POW2=triton.next_power_of_2(len(lengths)), BLOCK_N=block_n, VEC=vec, ROW_VALUES=row_values is not None, COL_VALUES=col_values is not None,
+            G_POW2=triton.next_power_of_2(len(lengths)), BLOCK_N=block_n, VEC=vec, ROW_VALUES=row_values is not None, COL_VALUES=col_values is not None, TILES=tiles,
             num_warps=warps, enable_fp_fusion=False,
         )
     with_values = lambda copy, made: None if copy is None else (*copy, made) if made is not None else copy

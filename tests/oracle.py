@@ -250,6 +250,7 @@ class NVFP4Result(NamedTuple):
     packed: np.ndarray  # uint8 [R, ceil(N/2)], element 2i in the low nibble
     codes: np.ndarray  # uint8 nibbles [R, N] (storage layout: columnwise is [K, M] or [K, Mpad])
     scale_inv: np.ndarray  # uint8 E4M3 codes [R, ceil(N/16)]
+    stored_scales: np.ndarray  # as the storage holds them: scale_inv, or for 16x16 tiles one row per 16 rows (per tile)
     global_amax: np.float32
     scaled: np.ndarray  # fp32 [R, N]: x * f clamped to ±6, the value E2M1 rounding sees
     deq_storage: np.ndarray  # fp32 [R, N]: dequantized, in storage layout (RHT domain if rht)
@@ -356,7 +357,8 @@ def nvfp4(x2d, direction="rowwise", block_2d=False, rht=False) -> NVFP4Result:
         deq = rht_inverse(deq_storage.T, rows)
     else:
         deq = deq_storage.T
-    return NVFP4Result(pack_nibbles(codes), codes, scale_codes, global_amax, scaled, deq_storage,
+    stored_scales = scale_codes[::NVFP4_BLOCK] if block_2d else scale_codes  # docs/checkpoint-format.md: one per tile
+    return NVFP4Result(pack_nibbles(codes), codes, scale_codes, stored_scales, global_amax, scaled, deq_storage,
                        deq, mask)
 
 

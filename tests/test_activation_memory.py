@@ -21,9 +21,9 @@ def columnwise_bytes(recipe: str, rows: int, cols: int, role: str = "input") -> 
     """Bytes of the columnwise copy of a [rows, cols] tensor, from each format's definition
     (docs/numerics.md, Buffer layouts): Float8 1 byte per element and one fp32 scale; MXFP8 1 byte per element and one
     E8M0 byte per 32; NVFP4 (the hybrid's columnwise child too) half a byte per element, one E4M3
-    byte per 16 and one fp32 amax; row-wise FP8 1 byte per element and one fp32 scale per column;
-    block-wise FP8 1 byte per element and one fp32 scale per 128 rows of a column (an input) or per
-    128x128 tile (a weight)."""
+    byte per 16 (per 16x16 tile: an nvfp4 weight) and one fp32 amax; row-wise FP8 1 byte per element
+    and one fp32 scale per column; block-wise FP8 1 byte per element and one fp32 scale per 128 rows
+    of a column (an input) or per 128x128 tile (a weight)."""
     n = rows * cols
     if recipe == "float8_rowwise":
         return n + 4 * cols
@@ -33,6 +33,8 @@ def columnwise_bytes(recipe: str, rows: int, cols: int, role: str = "input") -> 
         return n + 4
     if recipe == "mxfp8":
         return n + n // 32
+    if recipe == "nvfp4" and role == "weight":
+        return n // 2 + -(-rows // 16) * -(-cols // 16) + 4
     return n // 2 + n // 16 + 4
 
 
@@ -65,7 +67,11 @@ def test_saved_tensors_are_the_quantized_copies(recipe, weights):
     per_element = total / (ROWS * IN + OUT * IN)
     if recipe in ("float8_rowwise", "float8_blockwise"):
         return  # their fp32 scales per column or block are counted exactly above
-    assert per_element == pytest.approx(0.5625 if "nvfp4" in recipe else (1 + 1 / 32 if recipe == "mxfp8" else 1.0), abs=1e-3)
+    if recipe == "nvfp4":  # the input's scales per 16 elements, the weight's per 16x16 tile
+        expected = (ROWS * IN * (0.5 + 1 / 16) + OUT * IN * (0.5 + 1 / 256)) / (ROWS * IN + OUT * IN)
+    else:
+        expected = 0.5625 if "nvfp4" in recipe else (1 + 1 / 32 if recipe == "mxfp8" else 1.0)
+    assert per_element == pytest.approx(expected, abs=1e-3)
 
 
 def block(recipe, seed=0):

@@ -17,7 +17,7 @@ from cases import DIRECTIONS
 import qtensor
 from qtensor import gemm
 from qtensor.gemm import backends
-from qtensor.formats import nvfp4
+from qtensor.formats import nvfp4, nvfp4_draws
 
 
 def varied(rows, cols, seed=0):
@@ -48,7 +48,7 @@ def numpy_draws(k0, k1, rows, cols):
 
 def test_stochastic_draws_follow_their_definition():
     keys = torch.tensor([0xDEADBEEF, 0x12345678], dtype=torch.int64)
-    draws = nvfp4.uniform_draws(keys, 37, 45)
+    draws = nvfp4_draws.uniform_draws(keys, 37, 45)
     assert draws.dtype == torch.float32
     np.testing.assert_array_equal(draws.double().numpy(), numpy_draws(0xDEADBEEF, 0x12345678, 37, 45))
     assert 0.45 < float(draws.mean()) < 0.55  # 1665 draws in [0, 1)
@@ -58,7 +58,7 @@ def test_stochastic_draws_follow_their_definition():
 def test_stochastic_draws_past_two_to_the_32_pairs_use_the_high_word():
     keys = torch.tensor([7, 9], dtype=torch.int64)
     p = torch.tensor([5, 5 + 2**32])
-    hashes = nvfp4.mix32((p & 0xFFFFFFFF) ^ keys[0] ^ nvfp4.mix32((p >> 32) ^ keys[1]))
+    hashes = nvfp4_draws.mix32((p & 0xFFFFFFFF) ^ keys[0] ^ nvfp4_draws.mix32((p >> 32) ^ keys[1]))
     assert hashes[0] != hashes[1]
 
 

@@ -709,6 +709,7 @@ def test_the_documented_format_decodes_a_file_without_qtensor(tmp_path):
         "mxfp8": qtensor.MXFP8Quantizer().quantize(x),
         "nvfp4": qtensor.NVFP4Quantizer().quantize(x),
         "nvfp4_rowwise_only": qtensor.NVFP4Quantizer().quantize(x, columnwise=False),
+        "nvfp4_tiles": qtensor.NVFP4Quantizer(block_2d=True).quantize(x),
         "hybrid": qtensor.HybridQuantizer(qtensor.MXFP8Quantizer(), qtensor.NVFP4Quantizer()).quantize(x),
     }
     path = tmp_path / "doc.safetensors"

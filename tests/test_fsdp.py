@@ -374,7 +374,7 @@ dist.destroy_process_group()
 """
 _GATHERED_BYTES = {
     "mxfp8": 256 * 256 + 256 * 256 // 32,  # one direction's E4M3 codes and E8M0 block scales
-    "nvfp4": 256 * 256 // 2 + 256 * 256 // 16 + 4,  # one direction's E2M1 codes, E4M3 block scales, the fp32 global scale
+    "nvfp4": 256 * 256 // 2 + 256 * 256 // 256 + 4,  # one direction's E2M1 codes, E4M3 scales of 16x16 tiles, the fp32 global scale
     "float8_current": 2 * 256 * 256 + 4,  # the codes and their transpose (rebuilt after each gather), one fp32 scale
     # Both copies, each with its 2 x 2 fp32 scales of 128 x 128 blocks (the columnwise one rebuilt by
     # transposition). Its gather sends two buffers: on one rank, where FSDP2 copies only the first

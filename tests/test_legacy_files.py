@@ -86,3 +86,22 @@ def test_a_save_pretrained_directory_loads(folder):
     with torch.no_grad():
         logits = model(torch.arange(12).reshape(1, 12)).logits
     torch.testing.assert_close(logits, expected(folder, "llama_mxfp8_quantized"), rtol=0, atol=0)
+
+
+def test_nvfp4_tiles_saved_with_a_scale_per_row_load_with_one_scale_per_tile(folder):
+    """An NVFP4 weight cast in 16x16 tiles was written with each tile's scale repeated down its 16
+    rows; it loads into today's layout, one scale per tile (the file's first row of each 16), with
+    the file's codes, so a later save writes a sixteenth of the scale bytes."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(folder, "nvfp4_quantized.safetensors")
+    written = load_file(path)
+    model = model_of(*CASES["nvfp4_quantized"])
+    qtensor.load_model(model, path)
+    for name in ("0.weight", "2.weight"):
+        weight = model.get_parameter(name)
+        for direction in ("rowwise", "columnwise"):
+            storage, per_row = getattr(weight, direction), written[f"{name}.{direction}.scale_inv"].view(torch.uint8)
+            assert per_row.shape[0] == storage.data.shape[0] and storage.tile_scales  # the file's: one row of scales per stored row
+            assert torch.equal(storage.scale_inv.view(torch.uint8), per_row[::16])
+            assert torch.equal(storage.data, written[f"{name}.{direction}.data"])

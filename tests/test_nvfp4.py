@@ -28,7 +28,8 @@ def assert_storage_matches(storage, expected, direction):
                              f"{direction} E2M1 codes")
     if length % 2:
         assert not (oracle.as_codes(storage.data)[:, -1] >> 4).any(), f"{direction} padding nibble"
-    oracle.assert_same_codes(storage.scale_inv, expected.scale_inv, what=f"{direction} E4M3 block scales")
+    oracle.assert_same_codes(storage.scale_inv, expected.stored_scales, what=f"{direction} stored E4M3 scales")
+    oracle.assert_same_codes(storage.block_scales(), expected.scale_inv, what=f"{direction} E4M3 block scales")
     oracle.assert_same_bits(storage.global_amax, expected.global_amax, f"{direction} global_amax")
 
 
@@ -113,9 +114,13 @@ def test_block_2d_directions_share_tile_scales_and_values(inputs):
     oracle.assert_same_bits(q.dequantize(torch.float32, "rowwise"), q.dequantize(torch.float32, "columnwise"),
                             "rowwise vs columnwise")
     row_scales, col_scales = oracle.as_codes(q.rowwise.scale_inv), oracle.as_codes(q.columnwise.scale_inv)
+    # One scale per tile: rowwise [tile row, tile column], columnwise its transpose
+    assert row_scales.shape == (3, 3) and np.array_equal(row_scales, col_scales.T)
+    row_blocks, col_blocks = oracle.as_codes(q.rowwise.block_scales()), oracle.as_codes(q.columnwise.block_scales())
     m, k = np.meshgrid(np.arange(37), np.arange(45), indexing="ij")
-    # rowwise [m, k//16] and columnwise [k, m//16] both name tile (m//16, k//16)
-    assert np.array_equal(row_scales[m, k // 16], col_scales[k, m // 16])
+    # per block: rowwise [m, k//16] and columnwise [k, m//16] both name tile (m//16, k//16)
+    assert np.array_equal(row_blocks[m, k // 16], col_blocks[k, m // 16])
+    assert np.array_equal(row_blocks[m, k // 16], row_scales[m // 16, k // 16])
 
 
 @pytest.mark.parametrize("shape", [(45,), (3, 13, 45), (0, 45), (2, 0, 7)], ids=str)
@@ -268,3 +273,29 @@ def test_a_2d_tiled_tensor_rebuilds_its_dropped_copy_as_the_oracle_casts_it(inpu
     one_d.update_usage(**{dropped: False})
     with pytest.raises(ValueError, match="cannot rebuild"):
         one_d.update_usage(**{dropped: True})
+
+
+def test_a_file_without_tile_scales_loads_one_scale_per_tile_and_refuses_scales_that_differ_in_a_tile(inputs):
+    """Buffers described without `tile_scales` (a file written before the option) hold a scale per
+    stored row. Under a quantizer of 16x16 tiles they load with one scale per tile, the codes and
+    values unchanged; scales that differ within a tile were not a tiled cast, and loading says so."""
+    x = inputs.make("varied", (37, 45), torch.float32)
+    tiled = qtensor.NVFP4Quantizer(block_2d=True).quantize(x)
+    buffers, metadata = tiled.to_buffers()
+    for direction in DIRECTIONS:  # the older layout: each tile's scale repeated down its 16 stored rows
+        storage = getattr(tiled, direction)
+        buffers[f"{direction}.scale_inv"] = storage.block_scales().clone()
+        del metadata[direction]["tile_scales"]
+    loaded = qtensor.QuantizedTensor.from_buffers(buffers, metadata)
+    for direction in DIRECTIONS:
+        mine, theirs = getattr(loaded, direction), getattr(tiled, direction)
+        assert mine.tile_scales and torch.equal(mine.scale_inv.view(torch.uint8), theirs.scale_inv.view(torch.uint8))
+        assert torch.equal(mine.data, theirs.data)
+    oracle.assert_same_bits(loaded.dequantize(torch.float32), tiled.dequantize(torch.float32), "values")
+    one_d = qtensor.NVFP4Quantizer().quantize(x)
+    buffers, metadata = one_d.to_buffers()
+    for direction in DIRECTIONS:
+        del metadata[direction]["tile_scales"]
+    metadata["quantizer"]["config"]["block_2d"] = True
+    with pytest.raises(ValueError, match="differ within a 16x16 tile"):
+        qtensor.QuantizedTensor.from_buffers(buffers, metadata)

@@ -39,8 +39,11 @@ def assert_each_group_is_its_own_cast(quantizer, x, lengths, keys):
     for copy in (row, col):  # values the GPU's cast writes beside the codes: the codes' bf16 operand, bit for bit
         if x.device.type == "cuda":
             assert copy.values is not None and torch.equal(copy.values.view(torch.int16), copy.storage.bf16_operand()[0].view(torch.int16))
-    row_data, row_scales = row.storage.data, row.storage.scale_inv
-    col_data, col_scales = col.storage.data, col.storage.scale_inv
+    # 16x16 tiles keep one scale each where every group is whole tiles; compared per block here
+    tiles = quantizer.block_2d and all(n % 16 == 0 for n in lengths)
+    assert row.storage.tile_scales == tiles and col.storage.tile_scales == tiles
+    row_data, row_scales = row.storage.data, row.storage.block_scales()
+    col_data, col_scales = col.storage.data, col.storage.block_scales()
     start = run = 0
     for group, length in enumerate(lengths):
         runs = -(-length // 16)
@@ -48,12 +51,12 @@ def assert_each_group_is_its_own_cast(quantizer, x, lengths, keys):
             with mock.patch.object(quantizer, "_draw_keys", return_value=None if keys is None else keys[group]):
                 alone = quantizer.quantize(x[start:start + length])
             assert torch.equal(bits(row_data[start:start + length]), bits(alone.rowwise.data))
-            assert torch.equal(bits(row_scales[start:start + length]), bits(alone.rowwise.scale_inv))
+            assert torch.equal(bits(row_scales[start:start + length]), bits(alone.rowwise.block_scales()))
             assert torch.equal(row.group_scales[group], alone.rowwise.global_amax)
             stored = alone.columnwise.data.shape[1]
             assert torch.equal(bits(col_data[:, 8 * run:8 * run + stored]), bits(alone.columnwise.data))
             assert not bits(col_data[:, 8 * run + stored:8 * (run + runs)]).any()
-            assert torch.equal(bits(col_scales[:, run:run + runs]), bits(alone.columnwise.scale_inv))
+            assert torch.equal(bits(col_scales[:, run:run + runs]), bits(alone.columnwise.block_scales()))
             assert torch.equal(col.group_scales[group], alone.columnwise.global_amax)
         else:
             assert row.group_scales[group] == 0 and col.group_scales[group] == 0

@@ -92,14 +92,17 @@ class TensorPlan:
         cls, dtype, rowwise, columnwise, shared = key
         return TensorPlan(cls, tuple(outer_size), dtype, rowwise, columnwise, shared)
 
-    def assemble(self, buffers: dict[str, torch.Tensor], quantizer: Quantizer) -> "QuantizedTensor":
+    def assemble(self, buffers: dict[str, torch.Tensor], quantizer: Quantizer, *, from_file: bool = False) -> "QuantizedTensor":
+        """The tensor over `buffers`; `from_file`: each storage in the layout `quantizer` makes today
+        (`Quantizer.current_layout`)."""
         rows, cols = math.prod(self.shape[:-1]), self.shape[-1]
-        rowwise = self.rowwise.build(buffers, "rowwise.", self.shared, rows, cols) if self.rowwise else None
+        current = lambda direction, storage: quantizer.quantizer_for(direction).current_layout(storage) if from_file else storage
+        rowwise = current("rowwise", self.rowwise.build(buffers, "rowwise.", self.shared, rows, cols)) if self.rowwise else None
         if self.columnwise == "rowwise":
             columnwise = rowwise
         elif self.columnwise is not None:
             # A shared tensor-wide buffer is looked up by its bare name: both get the one tensor.
-            columnwise = self.columnwise.build(buffers, "columnwise.", self.shared, rows, cols)
+            columnwise = current("columnwise", self.columnwise.build(buffers, "columnwise.", self.shared, rows, cols))
         else:
             columnwise = None
         return self.cls(torch.Size(self.shape), self.dtype, rowwise, columnwise, quantizer)
@@ -143,6 +146,7 @@ class TensorPlan:
                 raise ValueError(f"{where}{direction}: expected null, a storage description or (columnwise) \"rowwise\", got {entry!r}.")
             storage_cls = lookup(STORAGE_CLASSES, entry["format"], f"{where}{direction}.format", "storage format")
             options = {k: decode_value(v, f"{where}{direction}.{k}") for k, v in entry.items() if k not in ("format", "direction")}
+            options = {**storage_cls.options_added, **options}  # a file written before an option existed
             storage_cls.check_options(entry.get("direction"), options, f"{where}{direction}")
             return StoragePlan(storage_cls, entry["direction"], tuple((n, options[n]) for n in storage_cls.option_names()))
 

@@ -160,6 +160,11 @@ class Quantizer:
         record overrides this (NVFP4's 16×16 tiles)."""
         return storage.to_direction(direction) if self.quantizer_for(direction) is self.quantizer_for(storage.direction) else None
 
+    def current_layout(self, storage: Storage) -> Storage:
+        """`storage`, read from a file, in the layout this quantizer's casts make today: a format
+        whose layout changed re-lays out an older file's bytes (NVFP4's scales per 16x16 tile)."""
+        return storage
+
     def tensor_amaxes(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor] | None:
         """The tensor-wide amaxes a cast of the 2-D `x` in these directions reduces over the ranks
         holding the other shards (each `tensor_amax` / `reduce_amax` it makes), computed on `x`

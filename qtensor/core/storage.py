@@ -111,12 +111,8 @@ def _buffer_names(cls, direction: str, options: tuple) -> tuple[str, ...]:
 
 def _fields(cls, direction: str, options: tuple) -> tuple[tuple[str, ...], frozenset]:
     """(buffer names, every keyword field a storage takes: its options and buffers)."""
-
-    def compute():
-        names = _buffer_names(cls, direction, options)
-        return names, frozenset(cls.option_names()).union(names)
-
-    return _cached(_FIELDS, (cls, direction, options), compute)
+    names = lambda: _buffer_names(cls, direction, options)
+    return _cached(_FIELDS, (cls, direction, options), lambda: (names(), frozenset(cls.option_names()).union(names())))
 
 
 @dataclass(frozen=True)
@@ -182,6 +178,9 @@ class Storage:
     format_name: str = ""
     directions: tuple[str, ...] = DIRECTIONS
     option_values: dict[str, tuple] = {}
+    # Options a format gained after files were written, each with the value those files' layout had:
+    # a file's storage description without one takes it (plan.py).
+    options_added: dict[str, object] = {}
     # True when `to_direction` rebuilds the other direction exactly (Float8: the transpose), so
     # FSDP2 gathers one direction and makes the other locally. A format where that depends on its
     # options makes it a property.

@@ -256,7 +256,7 @@ class QuantizedTensor(torch.Tensor):
         if quantizer is None:
             state = {name.removeprefix("quantizer."): b for name, b in buffers.items() if name.startswith("quantizer.")}
             built.load_state_buffers(state, f"{where}quantizer.")
-        return plan.assemble({name: b for name, b in buffers.items() if not name.startswith("quantizer.")}, built)
+        return plan.assemble({name: b for name, b in buffers.items() if not name.startswith("quantizer.")}, built, from_file=True)
 
     @staticmethod
     def check_buffers(buffers: dict[str, torch.Tensor], metadata: dict, *, quantizer: Quantizer | None = None, where: str = ""):

@@ -22,6 +22,7 @@ from ..core.kernels import lookup
 from ..core.quantizer import Quantizer
 from ..core.storage import BlockScaledOperand, Buffer, Storage, TensorScale
 from ..core.tensor import QuantizedTensor
+from .nvfp4_draws import draw_keys, uniform_draws
 from .nvfp4_groups import cast_groups
 
 BLOCK_SIZE = 16
@@ -86,48 +87,6 @@ def e2m1_codes_stochastic(v: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     probability_up = torch.where(gap > 0, (magnitude - grid[lower]) / gap, 0.0)
     codes = (lower + (draws < probability_up).long()).to(torch.uint8)
     return codes | _sign_bit(v)
-
-
-# ---- stochastic rounding's random draws -----------------------------------------------------------
-# Counter-based, so the CUDA kernel and this reference draw the same numbers: a cast takes two 32-bit
-# keys per direction from torch's generator (`draw_keys`, on the tensor's device: no host sync). In
-# the matrix quantized along its rows, elements 2j and 2j+1 of row r make pair p = r*ceil(cols/2) + j,
-# whose hash
-#     h = mix(lo(p) ^ k0 ^ mix(hi(p) ^ k1))
-# gives element 2j the draw (h & 0xFFFF) * 2**-16 and element 2j+1 the draw (h >> 16) * 2**-16; mix
-# is a 32-bit xor-shift-multiply finaliser (a bijection, so no two pairs of one 2**32 run share a
-# hash). 16 bits resolve the rounding probability to 2**-16 of a grid step, one hash serves two
-# elements, and both elements of a pair sit in one GPU thread in either direction.
-# A seed, through torch.manual_seed or the quantizer's own generator, reproduces a cast.
-_MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
-_LOW32 = 0xFFFFFFFF
-
-
-def draw_keys(generator: torch.Generator | None, device) -> torch.Tensor:
-    """Four 32-bit keys (int64): k0, k1 of the rowwise copy, then those of the columnwise copy."""
-    return torch.randint(0, 2**32, (4,), generator=generator, device=device, dtype=torch.int64)
-
-
-def _times_mod_2_32(h: torch.Tensor, multiplier: int) -> torch.Tensor:
-    """(h * multiplier) mod 2**32 in int64 without overflow, by 16-bit halves of the multiplier."""
-    low, high = multiplier & 0xFFFF, multiplier >> 16
-    return (h * low + (((h * high) & 0xFFFF) << 16)) & _LOW32
-
-
-def mix32(h: torch.Tensor) -> torch.Tensor:
-    """The 32-bit finaliser of the draws, on int64 holding values in [0, 2**32)."""
-    h = _times_mod_2_32(h ^ (h >> 16), _MIX_MULTIPLIERS[0])
-    h = _times_mod_2_32(h ^ (h >> 15), _MIX_MULTIPLIERS[1])
-    return h ^ (h >> 15)
-
-
-def uniform_draws(keys: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """fp32 draws in [0, 1), multiples of 2**-16, for the [rows, cols] matrix under `keys` (k0, k1)."""
-    pairs = (cols + 1) // 2
-    p = torch.arange(rows, device=keys.device, dtype=torch.int64)[:, None] * pairs + torch.arange(pairs, device=keys.device)
-    h = mix32((p & _LOW32) ^ keys[0] ^ mix32((p >> 32) ^ keys[1]))
-    halves = torch.stack((h & 0xFFFF, h >> 16), dim=-1).reshape(rows, 2 * pairs)[:, :cols]
-    return halves.float() * 2.0**-16
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -219,19 +178,29 @@ class NVFP4Storage(Storage):
     Columnwise: the transposed tensor quantized along its rows, `data` [cols, ceil(rows/2)],
     `scale_inv` [cols, ceil(rows/16)]; with `rht` the rows are zero-padded to a multiple of 16
     before the transform and `data` covers the padding ([cols, 8*ceil(rows/16)]).
+    With `tile_scales` (a cast in 16x16 tiles) `scale_inv` holds one scale per tile: its scale for
+    each 16 stored rows, [ceil(rows/16), ceil(cols/16)] rowwise, [ceil(cols/16), ceil(rows/16)]
+    columnwise (`block_scales` repeats them down the rows).
     `global_amax` (0-d fp32) gives the tensor scale S_enc; without `rht` both directions have the
     same one, held once by a tensor that has both."""
 
     format_name = "nvfp4"
-    option_values = {"rht": (False, True)}
+    option_values = {"rht": (False, True), "tile_scales": (False, True)}
+    options_added = {"tile_scales": False}  # files written before tiles held one scale each
 
     @classmethod
-    def layout(cls, direction, rows, cols, rht):
+    def layout(cls, direction, rows, cols, rht, tile_scales):
+        if rht and tile_scales:
+            raise ValueError("NVFP4Storage: rht and tile_scales exclude each other (the transform's copy is cast in 1x16 blocks).")
         amax = Buffer("global_amax", torch.float32, (), row_axis=None, col_axis=None)
+        per_scale = BLOCK_SIZE if tile_scales else 1  # stored rows one row of scales covers
         if direction == "rowwise":
             return (
                 Buffer("data", torch.uint8, (rows, ceil_div(cols, 2)), row_axis=0, col_axis=1, cols_per_entry=2),
-                Buffer("scale_inv", torch.float8_e4m3fn, (rows, ceil_div(cols, BLOCK_SIZE)), row_axis=0, col_axis=1, cols_per_entry=BLOCK_SIZE),
+                Buffer(
+                    "scale_inv", torch.float8_e4m3fn, (ceil_div(rows, per_scale), ceil_div(cols, BLOCK_SIZE)),
+                    row_axis=0, rows_per_entry=per_scale, col_axis=1, cols_per_entry=BLOCK_SIZE,
+                ),
                 amax,
             )
         # With the transform, the bytes cover the rows zero-padded to whole runs of 16.
@@ -239,7 +208,10 @@ class NVFP4Storage(Storage):
         length = cls.stored_length_for(direction, rows, cols, rht)
         return (
             Buffer("data", torch.uint8, (cols, ceil_div(length, 2)), row_axis=1, rows_per_entry=2, rows_padded_to=pad, col_axis=0),
-            Buffer("scale_inv", torch.float8_e4m3fn, (cols, ceil_div(rows, BLOCK_SIZE)), row_axis=1, rows_per_entry=BLOCK_SIZE, col_axis=0),
+            Buffer(
+                "scale_inv", torch.float8_e4m3fn, (ceil_div(cols, per_scale), ceil_div(rows, BLOCK_SIZE)),
+                row_axis=1, rows_per_entry=BLOCK_SIZE, col_axis=0, cols_per_entry=per_scale,
+            ),
             amax,
         )
 
@@ -255,13 +227,22 @@ class NVFP4Storage(Storage):
         """Elements per row of the stored matrix (`stored_length_for`)."""
         return self.stored_length_for(self.direction, self.rows, self.cols, self.rht)
 
+    def scale_rows(self) -> int:
+        """Stored rows that one row of `scale_inv` covers: 16 with `tile_scales`, else 1."""
+        return BLOCK_SIZE if self.tile_scales else 1
+
+    def block_scales(self) -> torch.Tensor:
+        """The E4M3 scale of each block of 16 along the stored rows, [stored rows, ceil(length/16)]:
+        `scale_inv`, or with `tile_scales` each tile's scale repeated down its 16 rows."""
+        return repeat_rows(self.scale_inv, self.scale_rows(), self.data.shape[0])
+
     def dequantize(self) -> torch.Tensor:
         length = self.stored_length()
         kernel = lookup("nvfp4.dequantize", self.data)
         if kernel is not None:
-            values = kernel(self.data, self.scale_inv, length, torch.float32, self.global_amax)
+            values = kernel(self.data, self.scale_inv, length, torch.float32, self.global_amax, scale_rows=self.scale_rows())
         else:
-            values = dequantize_row_blocks(self.data, self.scale_inv, encode_scale(self.global_amax), length)
+            values = dequantize_row_blocks(self.data, self.block_scales(), encode_scale(self.global_amax), length)
         if self.direction == "rowwise":
             return values
         if self.rht:
@@ -276,10 +257,10 @@ class NVFP4Storage(Storage):
         length = self.stored_length()
         kernel = lookup("nvfp4.dequantize", self.data)
         if kernel is not None:
-            values = kernel(self.data, self.scale_inv, length, torch.bfloat16)
+            values = kernel(self.data, self.scale_inv, length, torch.bfloat16, scale_rows=self.scale_rows())
         else:
             q = e2m1_values(unpack_nibbles(self.data, length))
-            values = (q * expand_blocks(self.scale_inv.float(), BLOCK_SIZE, length)).to(torch.bfloat16)
+            values = (q * expand_blocks(self.block_scales().float(), BLOCK_SIZE, length)).to(torch.bfloat16)
         return values, self.tensor_scale()
 
     def block_scaled_operand(self):
@@ -287,7 +268,7 @@ class NVFP4Storage(Storage):
         # on the bf16 path. A copy in the Hadamard domain has no such form: it stays on the bf16 path.
         if self.reduction_transform() is not None:
             return None
-        return BlockScaledOperand(self.data.view(torch.float4_e2m1fn_x2), self.scale_inv, BLOCK_SIZE, self.stored_length(), self.tensor_scale())
+        return BlockScaledOperand(self.data.view(torch.float4_e2m1fn_x2), self.block_scales(), BLOCK_SIZE, self.stored_length(), self.tensor_scale())
 
     def reduction_transform(self):
         # With `rht` the columnwise copy holds the transformed runs of 16 down the tensor's rows,
@@ -299,16 +280,31 @@ class NVFP4Storage(Storage):
         return TensorScale(self.global_amax, amax_max=448.0 * E2M1_MAX)
 
 
+def repeat_rows(scales: torch.Tensor, times: int, rows: int) -> torch.Tensor:
+    """`scales` with each row repeated `times` times, cut to `rows` rows (any dtype: as bytes)."""
+    if times == 1:
+        return scales
+    entries, width = scales.shape
+    as_bytes = scales.view(torch.uint8)[:, None, :].expand(entries, times, width).reshape(entries * times, width)
+    return as_bytes[:rows].view(scales.dtype)
+
+
+def tile_rows(block_scales: torch.Tensor) -> torch.Tensor:
+    """The first of each 16 rows of per-row block scales: one row of scales per 16x16 tile."""
+    return block_scales[::BLOCK_SIZE].contiguous()
+
+
 def transposed_tiles(storage: NVFP4Storage, direction: str) -> NVFP4Storage:
     """A copy cast in 16x16 tiles (no transform) laid out as the other direction's: the codes
-    transposed, each tile's scale (the one its 16 stored rows repeat) laid out along the other
-    direction's rows, the global amax shared."""
+    transposed, the tiles' scales transposed, the global amax shared."""
     codes = unpack_nibbles(storage.data, storage.stored_length()).t()  # [the other direction's stored rows, length]
-    tiles = storage.scale_inv.view(torch.uint8)[::BLOCK_SIZE]  # one row of scales per 16 stored rows
-    scales = tiles.t().repeat_interleave(BLOCK_SIZE, 0)[: codes.shape[0]]
+    if storage.tile_scales:
+        scales = storage.scale_inv.t()
+    else:  # each tile's scale repeated down its 16 stored rows, in both directions
+        scales = repeat_rows(tile_rows(storage.scale_inv).t(), BLOCK_SIZE, codes.shape[0])
     return NVFP4Storage(
-        direction=direction, rows=storage.rows, cols=storage.cols, rht=False, data=pack_nibbles(codes.contiguous()),
-        scale_inv=scales.contiguous().view(torch.float8_e4m3fn), global_amax=storage.global_amax,
+        direction=direction, rows=storage.rows, cols=storage.cols, rht=False, tile_scales=storage.tile_scales,
+        data=pack_nibbles(codes.contiguous()), scale_inv=scales.contiguous(), global_amax=storage.global_amax,
     )
 
 
@@ -367,8 +363,27 @@ class NVFP4Quantizer(Quantizer):
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _storage(self, direction, shape, data, scale_inv, global_amax) -> NVFP4Storage:
-        return NVFP4Storage(direction=direction, rows=shape[0], cols=shape[1], rht=self.rht, data=data, scale_inv=scale_inv, global_amax=global_amax)
+    def _storage(self, direction, shape, data, scale_inv, global_amax, tile_scales=None) -> NVFP4Storage:
+        """A storage over a cast's buffers: scales per 16x16 tile where the quantizer casts in tiles
+        (unless `tile_scales` says the cast wrote them per row)."""
+        tile_scales = self.block_2d if tile_scales is None else tile_scales
+        return NVFP4Storage(direction=direction, rows=shape[0], cols=shape[1], rht=self.rht, tile_scales=tile_scales, data=data, scale_inv=scale_inv, global_amax=global_amax)
+
+    def current_layout(self, storage):
+        # A file written before tiles held one scale each repeats each tile's scale down its 16 rows.
+        if not self.block_2d or storage.rht or storage.tile_scales:
+            return storage
+        scales = storage.scale_inv.view(torch.uint8)
+        tiles = tile_rows(scales)
+        if not torch.equal(repeat_rows(tiles, BLOCK_SIZE, scales.shape[0]), scales):
+            raise ValueError(
+                f"NVFP4Quantizer(block_2d=True): a stored {storage.direction} copy's scales differ within a 16x16 tile; "
+                "it was not cast in tiles. Load it with a quantizer of block_2d=False."
+            )
+        return NVFP4Storage(
+            direction=storage.direction, rows=storage.rows, cols=storage.cols, rht=False, tile_scales=True,
+            data=storage.data, scale_inv=tiles.view(torch.float8_e4m3fn), global_amax=storage.global_amax,
+        )
 
     def _draw_keys(self, x, update_state):
         """The cast's stochastic-rounding keys (draw_keys), or None. Quantized zeros
@@ -399,7 +414,7 @@ class NVFP4Quantizer(Quantizer):
         if rowwise:
             amax = tiles.repeat_interleave(BLOCK_SIZE, 0)[:rows] if self.block_2d else block_amax(x, BLOCK_SIZE)
             row_keys = None if keys is None else keys[:2]
-            rowwise_storage = self._storage("rowwise", x.shape, *quantize_row_blocks(x, s_enc, amax, row_keys), global_amax)
+            rowwise_storage = self._storage("rowwise", x.shape, *self._tiled(quantize_row_blocks(x, s_enc, amax, row_keys)), global_amax)
         if columnwise:
             x_t = x.t()
             column_amax, column_s_enc = global_amax, s_enc
@@ -412,8 +427,13 @@ class NVFP4Quantizer(Quantizer):
             else:
                 amax = block_amax(x_t, BLOCK_SIZE)
             column_keys = None if keys is None else keys[2:]
-            columnwise_storage = self._storage("columnwise", x.shape, *quantize_row_blocks(x_t, column_s_enc, amax, column_keys), column_amax)
+            columnwise_storage = self._storage("columnwise", x.shape, *self._tiled(quantize_row_blocks(x_t, column_s_enc, amax, column_keys)), column_amax)
         return rowwise_storage, columnwise_storage
+
+    def _tiled(self, cast):
+        """(codes, block scales) of a cast, with one row of scales per 16x16 tile where it is in tiles."""
+        codes, scales = cast
+        return (codes, tile_rows(scales)) if self.block_2d else (codes, scales)
 
     # ---- grouped GEMMs: every group at once, each at its own tensor scale (formats/nvfp4_groups.py)
     def group_block_rows(self) -> int:
