@@ -17,7 +17,11 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
   (`qtensor.keep_forward_copies_`: formats that rebuild dgrad's copy from it, per-tensor FP8,
   128×128 FP8 blocks, NVFP4's 16×16 tiles);
 - "nf4": torchao's NF4 (`to_nf4`) for every block's linear weights, as torchtune's QLoRA holds
-  them (where torchao imports).
+  them (where torchao imports);
+- "bnb_nf4": bitsandbytes' NF4 (`Linear4bit`, double-quantized scales, bf16 compute) for every
+  block's linear layer, as transformers' `BitsAndBytesConfig(load_in_4bit=True,
+  bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` loads a QLoRA base (where
+  bitsandbytes imports); peft then wraps them with its own bitsandbytes LoRA layers.
 
 `--checkpointing` recomputes each block's activations in the backward (transformers' gradient
 checkpointing, non-reentrant), for every system; `--compile` compiles each block
@@ -69,6 +73,8 @@ def build(system: str, shape: str, device: str, checkpointing: bool = False, com
             for module in layer.modules():
                 if isinstance(module, nn.Linear):
                     module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    elif system == "bnb_nf4":
+        _to_bnb_nf4(model.model.layers, device)
     elif system != "bf16":
         options = {"weight_only": True} if "weight-only" in system.split() else {}
         qtensor.quantize_(model.model.layers, getattr(qtensor.recipes, system.split()[0])(**options), weights="quantized")
@@ -82,6 +88,25 @@ def build(system: str, shape: str, device: str, checkpointing: bool = False, com
         for layer in model.base_model.model.model.layers:
             layer.compile(**({"mode": compiled} if isinstance(compiled, str) else {}))
     return model
+
+
+def _to_bnb_nf4(blocks: nn.Module, device: str) -> None:
+    """Every nn.Linear under `blocks` replaced by bitsandbytes' NF4 Linear4bit over its weight."""
+    import bitsandbytes as bnb
+
+    for block in blocks:
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4", device="meta")
+                # Params4bit quantizes as it moves to the device (from the CPU: the cast happens there).
+                layer.weight = bnb.nn.Params4bit(child.weight.detach().cpu(), requires_grad=False, quant_type="nf4",
+                                                 compress_statistics=True, blocksize=64).to(device)
+                if child.bias is not None:
+                    layer.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
+                setattr(parent, name, layer)
 
 
 def chunked_loss(model, tokens: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -14,8 +14,10 @@ frozen layer keeps, the forward's and dgrad's) gives:
 - the relative error of a layer's output, ||layer(x) - x·Wᵀ|| / ||x·Wᵀ|| against float64, with the
   input cast as the recipe casts it (bf16 autocast for the plain and NF4 layers).
 
-NF4 (torchao's `to_nf4`, blocks of 64, double-quantized scales) where torchao imports; bitsandbytes'
-NF4 where bitsandbytes imports (it needs a GPU build to quantize).
+NF4 (torchao's `to_nf4`, blocks of 64, double-quantized scales) where torchao imports, and
+bitsandbytes' NF4 (`Params4bit`, as transformers' `BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` holds a QLoRA base) where bitsandbytes
+imports (0.50 quantizes on the CPU too).
 """
 
 from __future__ import annotations
@@ -81,6 +83,21 @@ def nf4_row(weight: torch.Tensor, x: torch.Tensor):
     return nbytes / weight.numel(), None, relative(nf4.get_original_weight(), weight), relative(y, x.double() @ weight.double().t())
 
 
+def bnb_nf4_row(weight: torch.Tensor, x: torch.Tensor):
+    try:
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as bnb_functional
+    except ImportError:
+        return None
+    held = bnb.nn.Params4bit(weight.to(torch.bfloat16), requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64).to(weight.device)
+    state = held.quant_state  # per 64 elements a uint8 absmax code, per 256 of those an fp32 scale; the code tables
+    nested = [state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset]
+    nbytes = held.data.numel() * held.data.element_size() + sum(t.numel() * t.element_size() for t in nested)
+    y = bnb.matmul_4bit(x.to(torch.bfloat16), held.t(), quant_state=state)
+    values = bnb_functional.dequantize_4bit(held.data, state)
+    return nbytes / weight.numel(), None, relative(values, weight), relative(y, x.double() @ weight.double().t())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="2048,2048")
@@ -93,6 +110,9 @@ def main() -> None:
     nf4 = nf4_row(weight, x)
     if nf4 is not None:
         table["NF4 (torchao)"] = nf4
+    bnb_nf4 = bnb_nf4_row(weight, x)
+    if bnb_nf4 is not None:
+        table["NF4 (bitsandbytes, double quantization)"] = bnb_nf4
     print(f"weight [{rows}, {cols}], input [{args.tokens}, {cols}]; torch {torch.__version__}")
     print("| base | bytes per parameter | frozen, one copy | weight error | layer output error |")
     print("| --- | --- | --- | --- | --- |")
