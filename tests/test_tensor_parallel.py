@@ -81,6 +81,21 @@ def test_tensor_parallel_training_equals_one_process(distributed, recipe, weight
     assert_trains_like_one_process(parallel, single, fp8=recipe.startswith("float8"))
 
 
+@pytest.mark.parametrize("recipe", tp_cases.FROZEN)
+def test_a_frozen_base_keeping_one_copy_per_shard_trains_like_one_process(distributed, recipe):
+    """LoRA's base under tensor parallelism: frozen held weights, each rank's shard keeping the
+    forward's copy only (`keep_forward_copies_` on the parallelized model), the backward rebuilding
+    dgrad's copy from it on the shard; the norms train. Equals one process keeping one copy too."""
+    parallel = distributed[("frozen", recipe)]
+    model = tp_cases.frozen(recipe)
+    kept = qtensor.keep_forward_copies_(model)
+    single = tp_cases.train(model, "quantized")
+    assert parallel["kept"].keys() == kept.keys() and len(kept) == 14
+    assert all(text.startswith("the forward's copy") for text in parallel["kept"].values()), parallel["kept"]
+    assert set(parallel["held"].values()) == {(True, False)} == set(tp_cases.held_copies(model).values())
+    assert_trains_like_one_process(parallel, single, fp8=recipe.startswith("float8"))
+
+
 @pytest.mark.parametrize("weights", ["dynamic", "quantized"])
 def test_a_precision_schedule_switches_tensor_parallel_layers_like_one_process(distributed, weights):
     """A format switch for the last step (qtensor.PrecisionSchedule) on column- and row-parallel

@@ -110,6 +110,25 @@ def build(recipe: str, weights: str, seed: int = 0, width: int = WIDTH) -> nn.Mo
     return model
 
 
+# Recipes whose frozen held weights keep one copy, dgrad's rebuilt from it (qtensor.keep_forward_copies_).
+FROZEN = ("float8_current", "nvfp4")
+
+
+def frozen(recipe: str, seed: int = 0) -> nn.Module:
+    """A fine-tuning base: the linears' held weights frozen, the norms training (as adapters would)."""
+    model = build(recipe, "quantized", seed)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.endswith("norm.weight"))
+    return model
+
+
+def held_copies(model: nn.Module) -> dict:
+    """{linear weight: (holds a rowwise copy, holds a columnwise copy)} of each (local) held weight."""
+    local = lambda p: getattr(p, "_local_tensor", p)
+    return {name: (local(p).rowwise is not None, local(p).columnwise is not None)
+            for name, p in model.named_parameters() if hasattr(local(p), "rowwise")}
+
+
 # A precision schedule's two recipes by weight mode: the held weights switch into per-tensor
 # scaling, whose scale is the whole weight's (each rank casts its shard of the master at it).
 SCHEDULED = {"dynamic": ("float8_current", "mxfp8"), "quantized": ("mxfp8", "float8_current")}
@@ -221,7 +240,7 @@ def plain_weights(model: nn.Module) -> dict:
     found = {}
     for name, param in model.named_parameters():
         value = full_tensor(param, name)  # a quantized shard gathered as its bytes
-        if isinstance(value, qtensor.QuantizedTensor):
+        if isinstance(value, qtensor.QuantizedTensor) and value.columnwise is not None:
             found[f"{name}:columnwise"] = value.dequantize(torch.float32, "columnwise").detach().clone()
             value = value.dequantize()
         found[name] = (value.plain() if isinstance(value, qtensor.DynamicWeight) else value).detach().clone()
@@ -271,6 +290,12 @@ def run_distributed(out_path: str) -> None:
             result = train(model, weights, rank=rank, world=world, sequence_parallel=sequence_parallel)
         results[(recipe, weights, sequence_parallel)] = {**result, "shards": shards, "quantized_linears": count[0],
                                                          "gathers": sequence_parallel_module.gather_stats()}
+    # A frozen base keeping the forward's copies on each rank's shards, dgrad's rebuilt in each backward.
+    for recipe in FROZEN:
+        model = parallelize(frozen(recipe), mesh, False)
+        kept = qtensor.keep_forward_copies_(model)
+        result = train(model, "quantized", rank=rank, world=world)
+        results[("frozen", recipe)] = {**result, "kept": kept, "held": held_copies(model)}
     # A precision schedule switching the column- and row-parallel layers' formats between steps.
     for weights in SCHEDULED:
         model, schedule = scheduled(weights)
