@@ -1,7 +1,7 @@
 """LoRA fine-tuning over a frozen base: peak memory and tokens/s by the base's format (GPU).
 
     python benchmarks/bench_lora.py [--systems bf16,float8_rowwise,nvfp4,nf4] [--steps 10] [--seq 2048]
-                                    [--batch 1] [--checkpointing] [--compile [--cuda-graphs]] [--chunked-loss N] [--tiny]
+                                    [--batch 1] [--checkpointing] [--compile [--cuda-graphs] [--skip-guards]] [--chunked-loss N] [--tiny]
 
 A Llama-shaped model of about 1.1B parameters (hidden 2048, 22 blocks, MLP 5632, 32 heads, 4 KV
 heads, vocabulary 32000; random weights) in bf16, its blocks' linear weights then held in the
@@ -26,7 +26,9 @@ backward and the optimizer step; the median of `--steps` after two warm-up steps
 `--checkpointing` recomputes each block's activations in the backward (transformers' gradient
 checkpointing, non-reentrant), for every system; `--compile` compiles each block
 (`torch.compile`), and with `--cuda-graphs` replays each compiled block as CUDA graphs
-(`mode="reduce-overhead"`: the host launches a block's kernels in one call). `--tiny` runs a two-block model of width 256 (on the CPU too, `--device
+(`mode="reduce-overhead"`: the host launches a block's kernels in one call); `--skip-guards` then
+times the steps without the compiled blocks' guards (`torch.compiler.set_stance("default",
+skip_guard_eval_unsafe=True)`, for a loop that repeats the warm-up's shapes). `--tiny` runs a two-block model of width 256 (on the CPU too, `--device
 cpu`) to check the script. `--chunked-loss N` computes the loss over N chunks of the sequence, each
 chunk's logits made by the head and consumed by the cross-entropy inside an activation checkpoint
 (`chunked_loss`): no [tokens, vocabulary] logits are kept for the backward, or ever whole in fp32
@@ -39,6 +41,7 @@ weights' own buffers; measured with saved-tensor hooks, so on the CPU too).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -125,7 +128,8 @@ def chunked_loss(model, tokens: torch.Tensor, chunks: int) -> torch.Tensor:
     return total / labels.numel()
 
 
-def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpointing: bool = False, compiled: bool | str = False, batch: int = 1, chunks: int = 0) -> dict:
+def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpointing: bool = False, compiled: bool | str = False, batch: int = 1,
+            chunks: int = 0, skip_guards: bool = False) -> dict:
     model = build(system, shape, device, checkpointing, compiled)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     tokens = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), device=device)
@@ -165,11 +169,15 @@ def measure(system: str, shape: str, device: str, seq: int, steps: int, checkpoi
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
+    # The timed steps, with --skip-guards, without the compiled blocks' guards: the warm-up compiled
+    # every block, and the steps repeat its inputs' shapes and kinds (torch's stance for steady state).
+    stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip_guards else contextlib.nullcontext()
+    with stance:
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - start)
     seconds = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     return {"tokens_per_s": batch * seq / seconds, "ms": seconds * 1e3, "peak_gib": peak, "saved_per_token": saved_per_token}
@@ -196,6 +204,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every block")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: mode='reduce-overhead' (CUDA graphs)")
+    parser.add_argument("--skip-guards", action="store_true", help="with --compile: the timed steps skip the compiled blocks' guards")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--chunked-loss", type=int, default=0, metavar="N", help="the loss over N chunks of the sequence, logits recomputed")
     parser.add_argument("--tiny", action="store_true")
@@ -206,12 +215,13 @@ def main() -> None:
     compiled = "reduce-overhead" if args.compile and args.cuda_graphs else args.compile
     options = (", gradient checkpointing" if args.checkpointing else "") + (", blocks compiled" if args.compile else "") + (" as CUDA graphs" if compiled == "reduce-overhead" else "")
     options += f", loss in {args.chunked_loss} chunks" if args.chunked_loss else ""
+    options += ", guards skipped in the timed steps" if args.skip_guards and args.compile else ""
     print(f"{name}, torch {torch.__version__}; LoRA r16 over a {shape} Llama, batch {args.batch} of sequence {args.seq}{options}, median of {args.steps} steps")
     print(f"{'system':<24} {'tokens/s':>10} {'ms':>9} {'x bf16':>7} {'peak GiB':>9} {'saved KiB/token':>16}")
     base = None
     for system in args.systems.split(","):
         try:
-            row = measure(system, shape, args.device, args.seq, args.steps, args.checkpointing, compiled, args.batch, args.chunked_loss)
+            row = measure(system, shape, args.device, args.seq, args.steps, args.checkpointing, compiled, args.batch, args.chunked_loss, args.skip_guards)
         except Exception as error:  # one system's failure is a row
             print(f"{system:<24} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
             continue
