@@ -295,16 +295,12 @@ def tile_rows(block_scales: torch.Tensor) -> torch.Tensor:
 
 
 def transposed_tiles(storage: NVFP4Storage, direction: str) -> NVFP4Storage:
-    """A copy cast in 16x16 tiles (no transform) laid out as the other direction's: the codes
-    transposed, the tiles' scales transposed, the global amax shared."""
+    """A copy holding one scale per 16x16 tile (no transform) laid out as the other direction's:
+    the codes transposed, the tiles' scales transposed, the global amax shared."""
     codes = unpack_nibbles(storage.data, storage.stored_length()).t()  # [the other direction's stored rows, length]
-    if storage.tile_scales:
-        scales = storage.scale_inv.t()
-    else:  # each tile's scale repeated down its 16 stored rows, in both directions
-        scales = repeat_rows(tile_rows(storage.scale_inv).t(), BLOCK_SIZE, codes.shape[0])
     return NVFP4Storage(
-        direction=direction, rows=storage.rows, cols=storage.cols, rht=False, tile_scales=storage.tile_scales,
-        data=pack_nibbles(codes.contiguous()), scale_inv=scales.contiguous(), global_amax=storage.global_amax,
+        direction=direction, rows=storage.rows, cols=storage.cols, rht=False, tile_scales=True,
+        data=pack_nibbles(codes.contiguous()), scale_inv=storage.scale_inv.t().contiguous(), global_amax=storage.global_amax,
     )
 
 
@@ -344,9 +340,10 @@ class NVFP4Quantizer(Quantizer):
     def rebuild_direction(self, storage, direction):
         # 16x16 tiles: both copies hold each tile's codes at its one scale, so either is the other
         # transposed (rounded to nearest only: stochastic rounding draws differently by direction).
+        # Every tiled cast, and every file read (`current_layout`), holds one scale per tile.
         if direction == storage.direction:
             return storage
-        if not self.block_2d or self.stochastic_rounding or storage.rht:
+        if not self.block_2d or self.stochastic_rounding or not storage.tile_scales:
             return None
         return transposed_tiles(storage, direction)
 
