@@ -1,6 +1,6 @@
 """Speed of a mixture of experts' expert stacks: bf16 grouped GEMMs against qtensor's recipes (GPU).
 
-    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--systems bf16,float8_current,...] [--steps 10] [--profile] [--gemms] [--cuda-graphs]
+    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--systems bf16,float8_current,...] [--steps 10] [--profile] [--gemms] [--cuda-graphs] [--compile]
 
 One experts layer as torchtitan and transformers' `grouped_mm` implementation run it: tokens sorted
 by expert, `gate_up = grouped_mm(x, gate_up_proj^T, offs)`, SiLU(gate)·up, `grouped_mm(h, down_proj^T,
@@ -15,7 +15,9 @@ groups balanced (equal sizes, multiples of 16). "torchao rowwise" (where importa
 precision (`weights="quantized"`: each expert's two FP8 copies, no fp32 values); "... fast-backward" adds
 `backward_fast_accumulation=True` (dgrad and wgrad on the FP8 tensor cores' fast accumulation, as
 torchao runs them). Prints tokens/s
-(routed rows), × bf16 and peak memory per system.
+(routed rows), × bf16 and peak memory per system. `--compile` runs every system's layer through
+`torch.compile` (inductor fuses the SiLU·mul and the autocast casts around the grouped GEMMs; each
+call over a quantized stack runs eagerly, between graph breaks).
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * width, hidden) * hidden**-0.5)
         self.down_proj = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
         self.grouped_mm = F.grouped_mm
+        self.casts_stacks = True  # False once quantize_ made the stacks quantized (quantize_as)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        if self.grouped_mm is not F.grouped_mm or not hasattr(gate_up, "linear_quantizers"):
+        if self.casts_stacks:
             # grouped_mm is outside autocast: the fp32 parameters cast to bf16, as autocast casts a linear's
+            # (decided outside forward: torch.compile reads hasattr of a stack's attribute as False)
             gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
         gate, up = self.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return self.grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
@@ -76,10 +80,11 @@ def routed_rows(rows: int, experts: int, hidden: int):
     return x, offs, torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
 
 
-def layer_step(system: str, shape: str, graphs: bool = False):
+def layer_step(system: str, shape: str, graphs: bool = False, compiled: bool = False):
     """One experts layer of `system` at `shape` and its routed rows: a function that runs one
     forward and backward step on them (with `graphs`, the replay of the step captured in one CUDA
-    graph: no host time, where nothing in the step waits for the GPU)."""
+    graph: no host time, where nothing in the step waits for the GPU; with `compiled`, the layer
+    through torch.compile)."""
     rows, experts, hidden, width = SHAPES[shape]
     torch.manual_seed(0)
     model = Experts(experts, hidden, width).cuda()
@@ -88,11 +93,13 @@ def layer_step(system: str, shape: str, graphs: bool = False):
     elif system != "bf16":  # "<recipe>" quantizes at use from the fp32 stacks; "<recipe> quantized" holds them in low precision;
         # "... fast-backward" runs dgrad and wgrad with fast accumulation too (as torchao does)
         quantize_as(model, system)
+        model.casts_stacks = False
     x, offs, grad = routed_rows(rows, experts, hidden)
+    forward = torch.compile(model) if compiled else model
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphs):  # (a graph takes no cast cache)
-            y = model(x, offs)
+            y = forward(x, offs)
         y.backward(grad)
         x.grad = None
         for p in model.parameters():
@@ -115,9 +122,9 @@ def captured(step):
     return graph.replay
 
 
-def measure(system: str, shape: str, steps: int, profile: bool = False, graphs: bool = False) -> dict:
+def measure(system: str, shape: str, steps: int, profile: bool = False, graphs: bool = False, compiled: bool = False) -> dict:
     rows = SHAPES[shape][0]
-    step = layer_step(system, shape, graphs)
+    step = layer_step(system, shape, graphs, compiled)
     seconds, peak = median_step_s(step, steps)
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -158,6 +165,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="after each system, its kernels of one step by GPU time")
     parser.add_argument("--gemms", action="store_true", help="time the grouped GEMMs alone (bf16, FP8 split and fast accumulation)")
     parser.add_argument("--cuda-graphs", action="store_true", help="each system's step captured in one CUDA graph and replayed")
+    parser.add_argument("--compile", action="store_true", help="each system's layer through torch.compile")
     args = parser.parse_args()
     if args.gemms:
         for shape in args.shapes.split(","):
@@ -165,13 +173,13 @@ def main() -> None:
         return
     systems = args.systems.split(",") if args.systems else ["bf16", *(["torchao rowwise"] if torchao_grouped_mm() else []), *RECIPES]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; forward+backward of one experts layer, median of {args.steps} steps"
-          + (", each captured in a CUDA graph" if args.cuda_graphs else ""))
+          + (", each captured in a CUDA graph" if args.cuda_graphs else "") + (", the layer compiled" if args.compile else ""))
     print(f"{'shape':<8} {'system':<38} {'rows/s':>12} {'ms':>9} {'x bf16':>7} {'peak GiB':>9}")
     for shape in args.shapes.split(","):
         base = None
         for system in systems:
             try:
-                row = measure(system, shape, args.steps, args.profile, args.cuda_graphs)
+                row = measure(system, shape, args.steps, args.profile, args.cuda_graphs, args.compile)
             except Exception as error:  # one system's failure is a row
                 print(f"{shape:<8} {system:<38} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
                 continue

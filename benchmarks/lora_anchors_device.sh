@@ -3,6 +3,9 @@
 # one-copy Float8 and weight-only NVFP4 bases, torchao's NF4 and bitsandbytes' NF4 (the wheels
 # carried in .whl/); then bf16 and the one-copy Float8 base again with the compiled blocks' guards
 # skipped in the timed steps (the host's share of a batch-1 step). Logs in $OUT.
+# The four wheels pass the carry's 64 MiB with bitsandbytes' whole (42 MiB: a library for every CUDA
+# and ROCm release); the run used one without the libraries of CUDA before 12.8 and of ROCm and XPU
+# (14 MiB; the GPU's torch is built for CUDA 13.0), their lines dropped from its RECORD.
 #   benchmarks/lora_anchors_device.sh
 source "$(dirname "$0")/device_env.sh"
 carried transformers; carried peft; carried torchao; carried bitsandbytes

@@ -309,19 +309,29 @@ def test_a_compiled_moe_runs_its_experts_quantized(implementation, weights):
     """Under torch.compile the batched and grouped experts implementations run the stacks' quantized
     linears (eagerly, a graph break around each call over a stack): the compiled loss is the eager
     one, not the loss of the model whose experts stay in high precision (transformers' grouped_mm
-    experts call its own grouped GEMM op under compile, which qtensor takes too). The eager
-    implementation (F.linear per expert) compiles as any quantized linear does; Dynamo's tracing of
-    its loop over the experts takes 17 s here, so it is not repeated in the suite."""
+    experts call its own grouped GEMM op under compile, which qtensor takes too), and so are the
+    stacks' gradients (the compiled graph hands the grouped GEMM `stack.transpose(-2, -1)`, a view
+    of the stack: its gradient reaches the stack as in the eager model). The eager implementation
+    (F.linear per expert) compiles as any quantized linear does; Dynamo's tracing of its loop over
+    the experts takes 17 s here, so it is not repeated in the suite."""
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    losses = []
+    losses, grads = [], []
     for keep in ([], ["*.experts"]):
         model = tiny_model("qwen3_moe", layers=1)
         qtensor.quantize_(model, qtensor.recipes.float8_current(), exclude=["lm_head", *keep], weights=weights)
         model.set_experts_implementation(implementation)
+        stacks = [p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))]
         # aot_eager: Dynamo's tracing and routing, which decide what runs quantized, without inductor's codegen time
-        losses.append((model(ids, labels=ids).loss.item(), torch.compile(model, backend="aot_eager")(ids, labels=ids).loss.item()))
-    (eager, compiled), (plain_experts, _) = losses
+        for forward in (model, torch.compile(model, backend="aot_eager")):
+            loss = forward(ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([p.grad.clone() for p in stacks])
+            model.zero_grad(set_to_none=True)
+    eager, compiled, plain_experts, _ = losses
     assert compiled == eager and eager != plain_experts
+    for eager_grad, compiled_grad in zip(grads[0], grads[1]):
+        assert type(compiled_grad) is torch.Tensor and torch.equal(compiled_grad, eager_grad)
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

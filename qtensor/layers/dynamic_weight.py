@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..distributed import fsdp, fsdp_state
 from . import quantized_stack, traced_state
@@ -327,7 +328,10 @@ class DynamicWeight(LayerWeight, torch.Tensor):
             linear = source.linear_quantizers
             if func is aten.select.int and linear.experts:  # one expert's matrix: cast with that expert's configuration
                 linear = linear.experts[args[2]]
-            return tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, linear, writes=writes), out)
+            wrapped = tree_map_only(torch.Tensor, lambda t: DynamicWeight(t, linear, writes=writes), out)
+            # A stack's piece is a view of the stack: told to autograd and torch.compile as one, so a compiled
+            # graph that hands it to the experts' (eager) grouped GEMM makes it again from the stack.
+            return return_and_correct_aliasing(func, args, kwargs, wrapped) if expert else wrapped
         # An in-place op hands back the tensor it wrote into: the wrapper, not its inner tensor.
         if args and isinstance(args[0], DynamicWeight) and out is plain_args[0]:
             return args[0]
