@@ -13,7 +13,7 @@ from . import checkpoint, hf_files, hf_schedule
 from .hf_files import RUNNING_STATE_FILE, checkpoint_files
 from .core.tensor import QuantizedTensor
 from .optim import MasterWeights
-from .quantize import is_qtensor_quantizer, running_state
+from .quantize import is_qtensor_quantizer, keep_forward_copies_, running_state
 
 
 class QTensorTrainer(Trainer):
@@ -29,10 +29,19 @@ class QTensorTrainer(Trainer):
     - a peft model (adapters over a frozen quantized base, docs/fine-tuning.md) checkpoints its
       adapters as peft saves them, and beside them the base's running state (delayed scaling's
       input and gradient histories, `qtensor_running_state.safetensors`), which a resumed run
-      restores: the frozen base itself is the one the run loaded.
+      restores: the frozen base itself is the one the run loaded;
+    - as training starts (`create_optimizer`), each frozen held weight keeps only the forward's
+      copy where its format rebuilds dgrad's from it (`qtensor.keep_forward_copies_`: a LoRA
+      base's weights at half their bytes, training bit for bit as over both copies); what each
+      kept is in `kept_copies`. `keep_forward_copies=False` keeps both.
 
     Anything else is `Trainer`'s own. A model with dynamic weights also trains with a plain
     `Trainer`, but resumes exactly only here."""
+
+    def __init__(self, *args, keep_forward_copies: bool = True, **kwargs):
+        self.keep_forward_copies = keep_forward_copies
+        self.kept_copies: dict[str, str] = {}
+        super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -40,6 +49,10 @@ class QTensorTrainer(Trainer):
         trained = [p for p in target.parameters() if p.requires_grad]  # (a peft model's frozen base has no masters)
         if any(isinstance(p, QuantizedTensor) for p in trained) and not isinstance(optimizer, MasterWeights):
             self.optimizer = optimizer = MasterWeights(optimizer)
+        if self.keep_forward_copies:
+            # Here, as training starts: the base is frozen by now (peft's get_peft_model, or the caller), and a
+            # resumed run has loaded its checkpoint (a refused resume leaves the base as it was).
+            self.kept_copies = keep_forward_copies_(self.accelerator.unwrap_model(target, keep_torch_compile=False))
         return optimizer
 
     def train(self, *args, **kwargs):
